@@ -1,0 +1,35 @@
+# Every target bootstraps .venv idempotently; a fresh clone needs nothing else.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_MODEL ?= $(HOME)/.cache/serve-app/models/demo-llama
+
+.PHONY: venv serve test lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# NOTE: torch first, pinned, so pip takes the CPU wheel on disk instead of a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	test -f $(DEMO_MODEL)/config.json || $(VENV)/bin/serve-app make-model $(DEMO_MODEL) --arch llama --preset tiny
+	$(VENV)/bin/serve-app serve --model $(DEMO_MODEL)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check actors serve_app tests benchmarks
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	mkdir -p benchmarks/results
+	$(PY) benchmarks/engine.py --out benchmarks/results/engine.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,250 @@
+"""The engine step: schedule -> grammar masks -> execute (forward + sample) -> postprocess.
+
+Not thread-safe: one thread drives `step`; other threads talk to it through the caller's
+queue (the Serve engine deployment owns that loop).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from actors.detokenizer import IncrementalDetokenizer
+from actors.executor import make_executor
+from actors.kv_cache import BlockManager
+from actors.messages import NewSeqData, ScheduledItem, StepInput, StepOutput
+from actors.outputs import CompletionDelta, RequestOutput
+from actors.request import FinishReason, Sequence
+from actors.sampler import NO_TOKEN
+from actors.sampling_params import SamplingParams
+from actors.scheduler import Scheduler, SchedulerOutput
+from actors.stop_checker import check_stop
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    pending: dict[int, CompletionDelta] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer,
+        cache_config: CacheConfig | None = None,
+        parallel_config: ParallelConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        seed: int = 0,
+    ):
+        self.model_config = model_config
+        self.cache_config = cache_config or CacheConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.tokenizer = tokenizer
+        self.executor = make_executor(
+            model_config, self.cache_config, parallel_config or ParallelConfig(), seed
+        )
+        # More blocks than a full batch of longest sequences (twice, for the prefix cache)
+        # would only cost memory.
+        per_seq = -(-model_config.max_model_len // self.cache_config.block_size)
+        num_blocks = min(
+            self.executor.determine_num_blocks(), 2 * per_seq * self.scheduler_config.max_num_seqs
+        )
+        if self.cache_config.num_blocks is not None:
+            num_blocks = self.cache_config.num_blocks
+        self.executor.init_kv_cache(num_blocks)
+        self.block_manager = BlockManager(
+            num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.requests: dict[str, _RequestState] = {}
+        self._new_seqs: list[NewSeqData] = []
+        self._finished_seq_ids: list[str] = []
+        self._aborted_outputs: list[RequestOutput] = []
+
+    # ------------------------------------------------------------------ requests
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        limit = self.model_config.max_model_len
+        if len(prompt_token_ids) >= limit:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room under max_model_len={limit}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        constraints: list[object] | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        self.validate_prompt(prompt_token_ids)
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=f"{request_id}#{i}",
+                request_id=request_id,
+                index=i,
+                token_ids=list(prompt_token_ids),
+                num_prompt_tokens=len(prompt_token_ids),
+                params=params,
+                priority=priority,
+                leader=seqs[0] if seqs else None,
+                constraint=constraints[i] if constraints else None,
+            )
+            seqs.append(seq)
+            seed = params.seed
+            if seed is not None and params.n > 1:
+                seed = hash((seed, i)) & 0x7FFF_FFFF_FFFF_FFFF
+            self._new_seqs.append(NewSeqData(seq.seq_id, params, list(prompt_token_ids), seed))
+            self.scheduler.add(seq)
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, len(prompt_token_ids), params) for _ in seqs
+        ]
+        self.requests[request_id] = _RequestState(request_id, seqs, detoks)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Stop a request; its blocks are free before the next step. Unknown ids: no-op."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return
+        deltas = []
+        for seq, detok in zip(state.seqs, state.detokenizers, strict=True):
+            if not seq.is_finished:
+                self._finish(seq, reason, None)
+                deltas.append(CompletionDelta(seq.index, [], detok.take_delta(True), None, reason))
+        self._aborted_outputs.append(
+            RequestOutput(request_id, state.seqs[0].prompt_token_ids, deltas, 0, True)
+        )
+
+    def hold(self, request_id: str) -> None:
+        for seq in self._seqs_of(request_id):
+            self.scheduler.hold(seq.seq_id)
+
+    def resume(self, request_id: str) -> None:
+        for seq in self._seqs_of(request_id):
+            self.scheduler.resume(seq.seq_id)
+
+    def _seqs_of(self, request_id: str) -> list[Sequence]:
+        state = self.requests.get(request_id)
+        return [s for s in state.seqs if not s.is_finished] if state else []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._aborted_outputs)
+
+    # ---------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        step_input = self._build_step_input(sched)
+        result = self.executor.execute(step_input)
+        self.scheduler.on_step_done(sched)
+        return outputs + self._postprocess(sched, result)
+
+    def _build_step_input(self, sched: SchedulerOutput) -> StepInput:
+        items = []
+        for s in sched.scheduled:
+            start = s.seq.num_computed_tokens
+            items.append(
+                ScheduledItem(
+                    seq_id=s.seq.seq_id,
+                    token_ids=s.seq.token_ids[start : start + s.num_new_tokens],
+                    start_pos=start,
+                    block_table=list(s.seq.block_table),
+                    sample=s.will_sample,
+                )
+            )
+        step = StepInput(items, self._new_seqs, self._finished_seq_ids)
+        self._new_seqs, self._finished_seq_ids = [], []
+        self._fill_grammar_masks(sched, step)
+        return step
+
+    def _fill_grammar_masks(self, sched: SchedulerOutput, step: StepInput) -> None:
+        sampled = [s.seq for s in sched.scheduled if s.will_sample]
+        rows = [i for i, seq in enumerate(sampled) if seq.constraint is not None]
+        if not rows:
+            return
+        words = -(-self.model_config.vocab_size // 32)
+        bitmask = np.full((len(sampled), words), -1, dtype=np.int32)
+        for row in rows:
+            sampled[row].constraint.fill_bitmask(bitmask, row)
+        step.bitmask, step.bitmask_rows = bitmask, rows
+
+    def _postprocess(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        touched: dict[str, _RequestState] = {}
+        sampled = [s.seq for s in sched.scheduled if s.will_sample]
+        for j, seq in enumerate(sampled):
+            state = self.requests[seq.request_id]
+            token = result.sampled_token_ids[j]
+            logprobs = result.logprobs[j] if result.logprobs else None
+            touched[seq.request_id] = state
+            self._advance(state, seq, token, logprobs)
+        outputs = []
+        for state in touched.values():
+            seq0 = state.seqs[0]
+            outputs.append(
+                RequestOutput(
+                    state.request_id,
+                    seq0.prompt_token_ids,
+                    [state.pending.pop(i) for i in sorted(state.pending)],
+                    seq0.num_cached_tokens or 0,
+                    state.finished,
+                )
+            )
+            if state.finished:
+                self.requests.pop(state.request_id, None)
+        return outputs
+
+    def _advance(self, state: _RequestState, seq: Sequence, token: int, logprobs) -> None:
+        detok = state.detokenizers[seq.index]
+        if token == NO_TOKEN:
+            reason, stop = FinishReason.GRAMMAR_END, "grammar_end"
+            new_tokens: list[int] = []
+        else:
+            seq.token_ids.append(token)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
+            new_tokens = [token]
+            reason, stop = check_stop(seq, token, self.model_config, detok)
+        if reason is not None:
+            self._finish(seq, reason, stop)
+        delta = state.pending.setdefault(seq.index, CompletionDelta(seq.index, [], ""))
+        delta.token_ids.extend(new_tokens)
+        delta.text += detok.take_delta(final=reason is not None)
+        if logprobs is not None:
+            delta.logprobs = (delta.logprobs or []) + [logprobs]
+        delta.finish_reason, delta.stop_reason = reason, stop
+
+    def _finish(self, seq: Sequence, reason: FinishReason, stop: str | int | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop
+        self.scheduler.finish(seq)
+        self._finished_seq_ids.append(seq.seq_id)
+
+    # ---------------------------------------------------------------- lifecycle
+    def stats(self) -> dict[str, int]:
+        return {**self.scheduler.stats(), "live_requests": len(self.requests)}
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,70 @@
+"""Attention metadata of the step being executed, behind one accessor.
+
+The model runner builds it once per step (masks, gather indices) and every layer reads it,
+so per-layer work is only the math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSeqMeta:
+    # Rows of this sequence's new tokens in the step's flattened batch.
+    q_start: int
+    q_len: int
+    # Tokens of context after this chunk (cached + new).
+    ctx_len: int
+    # (num_blocks_of_seq,) block ids; None when the chunk is the whole context (no gather).
+    block_table: torch.Tensor | None
+    # (q_len, ctx_len) additive mask; None means plain causal (no window, no prefix).
+    mask: torch.Tensor | None
+
+
+@dataclass
+class DecodeBucket:
+    """Decode sequences of similar context length, attended in one padded call."""
+
+    # (b,) rows into the decode part of the batch.
+    rows: torch.Tensor
+    # (b * max_blocks,) block ids, padded with block 0 (finite, masked out).
+    flat_block_ids: torch.Tensor
+    max_blocks: int
+    # (b, max_blocks * block_size) additive mask: 0 where attended, -inf elsewhere.
+    mask: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    # (num_tokens,) flat cache slot of each new token: block_id * block_size + offset.
+    slot_mapping: torch.Tensor
+    prefills: list[PrefillSeqMeta] = field(default_factory=list)
+    # Decode tokens come after all prefill tokens in the batch.
+    num_prefill_tokens: int = 0
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
+
+
+_CURRENT: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def set_forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    global _CURRENT
+    if _CURRENT is not None:
+        raise RuntimeError("a forward context is already set")
+    _CURRENT = meta
+    try:
+        yield
+    finally:
+        _CURRENT = None
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _CURRENT is None:
+        raise RuntimeError("no forward context: attention runs only inside a model step")
+    return _CURRENT

@@ -1,0 +1,114 @@
+"""Attention over a paged KV cache, behind a backend seam.
+
+Cache layout per layer: (num_kv_heads, num_blocks, block_size, head_dim) for K and for V, so
+one `index_select` along dim 1 gathers whole blocks of every head into a (heads, seq, dim)
+view that a batched matmul reads directly.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+
+import torch
+import torch.nn.functional as F
+
+from actors.forward_context import AttentionMetadata, DecodeBucket, PrefillSeqMeta
+
+
+class AttentionBackend(abc.ABC):
+    """Computes attention for one layer of one step.
+
+    Invariants: new K/V are written into the cache at `slot_mapping` before any read; the
+    output rows follow the input rows (prefill tokens first, then decode tokens).
+    """
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # (num_kv_heads, num_blocks, block_size, head_dim)
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim)
+        ...
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Pure torch: per-sequence SDPA for prefill chunks, bucketed padded matmuls for decode.
+
+    Gather buffers are kept between calls so a step allocates nothing per layer.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self._k_buf: torch.Tensor | None = None
+        self._v_buf: torch.Tensor | None = None
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):  # type: ignore[override]
+        h_kv, _, block_size, d = k_cache.shape
+        # (num_tokens, kv_heads, d) -> (kv_heads, num_tokens, d) into the flat slot view.
+        k_cache.view(h_kv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(h_kv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        out = torch.empty(q.shape[0], self.num_heads * d, dtype=q.dtype, device=q.device)
+        for p in meta.prefills:
+            out[p.q_start : p.q_start + p.q_len] = self._prefill(q, k, v, k_cache, v_cache, p)
+        n = meta.num_prefill_tokens
+        for bucket in meta.decode_buckets:
+            rows = bucket.rows + n
+            out[rows] = self._decode(q.index_select(0, rows), k_cache, v_cache, bucket)
+        return out
+
+    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSeqMeta) -> torch.Tensor:
+        h_kv, _, block_size, d = k_cache.shape
+        qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # (heads, q_len, d)
+        if p.block_table is None:
+            ks = k[p.q_start : p.q_start + p.q_len].transpose(0, 1)
+            vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1)
+        else:
+            ks = k_cache.index_select(1, p.block_table).view(h_kv, -1, d)[:, : p.ctx_len]
+            vs = v_cache.index_select(1, p.block_table).view(h_kv, -1, d)[:, : p.ctx_len]
+        o = F.scaled_dot_product_attention(
+            qs,
+            ks,
+            vs,
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=self.scale,
+            enable_gqa=self.group > 1,
+        )
+        return o.transpose(0, 1).reshape(p.q_len, -1)
+
+    def _buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._k_buf is None or self._k_buf.numel() < numel or self._k_buf.device != like.device:
+            self._k_buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._v_buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        assert self._v_buf is not None
+        return self._k_buf[:numel], self._v_buf[:numel]
+
+    def _decode(self, q, k_cache, v_cache, bucket: DecodeBucket) -> torch.Tensor:
+        h_kv, _, block_size, d = k_cache.shape
+        b = q.shape[0]
+        num_slots = bucket.max_blocks * block_size
+        k_flat, v_flat = self._buffers(h_kv * b * num_slots * d, k_cache)
+        shape = (h_kv, b * bucket.max_blocks, block_size, d)
+        torch.index_select(k_cache, 1, bucket.flat_block_ids, out=k_flat.view(shape))
+        torch.index_select(v_cache, 1, bucket.flat_block_ids, out=v_flat.view(shape))
+        ks = k_flat.view(h_kv * b, num_slots, d)
+        vs = v_flat.view(h_kv * b, num_slots, d)
+        # (b, heads, d) -> (kv_heads * b, group, d): GQA as rows, no K/V expansion.
+        qg = q.view(b, h_kv, self.group, d).transpose(0, 1).reshape(h_kv * b, self.group, d)
+        mask = bucket.mask.unsqueeze(1).expand(b, self.group, num_slots)
+        mask = mask.unsqueeze(0).expand(h_kv, b, self.group, num_slots)
+        scores = torch.baddbmm(
+            mask.reshape(h_kv * b, self.group, num_slots), qg, ks.transpose(1, 2), alpha=self.scale
+        )
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        o = torch.bmm(probs, vs)  # (kv_heads * b, group, d)
+        return o.view(h_kv, b, self.group * d).transpose(0, 1).reshape(b, -1)

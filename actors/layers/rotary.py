@@ -1,0 +1,53 @@
+"""Rotary position embeddings (neox-style halves), with the rope_scaling types HF configs use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def inv_freq_and_scale(
+    model_path: str, head_dim: int, rope_parameters: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    rope_type = rope_parameters.get("rope_type", "default")
+    theta = float(rope_parameters.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (theta**exponent), 1.0
+    if rope_type == "dynamic":
+        # NOTE: dynamic NTK rescales with the current length, which breaks cached keys.
+        raise ValueError("rope_scaling type 'dynamic' is not supported with a KV cache")
+    # Scaled variants (linear, llama3, yarn, longrope): transformers' own definitions.
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+    hf_config = AutoConfig.from_pretrained(model_path)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scale: float):
+        super().__init__()
+        positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(positions, inv_freq)  # (max_position, head_dim / 2)
+        self.register_buffer("cos", (freqs.cos() * scale), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scale), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: (num_tokens, num_heads, head_dim); k: (num_tokens, num_kv_heads, head_dim)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

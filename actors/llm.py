@@ -1,0 +1,110 @@
+"""The offline facade: `LLM(model=DIR).generate(prompts, params)`, vLLM-like."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from actors.engine_core import EngineCore
+from actors.outputs import CompletionOutput, GenerationResult
+from actors.platform import resolve_dtype
+from actors.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        tensor_parallel_size: int = 1,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_bytes: int = 512 * 1024**2,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        placement_strategy: str = "PACK",
+    ):
+        self.model_config = ModelConfig.from_pretrained(
+            model, dtype=resolve_dtype(dtype), max_model_len=max_model_len
+        )
+        self.tokenizer = load_tokenizer(model)
+        self.engine = EngineCore(
+            self.model_config,
+            self.tokenizer.backend_tokenizer,
+            CacheConfig(
+                block_size=block_size,
+                memory_budget_bytes=kv_cache_bytes,
+                num_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            ParallelConfig(tensor_parallel_size, placement_strategy),
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            seed=seed,
+        )
+        self._ids = itertools.count()
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | dict[str, Any] | Seq[SamplingParams] | None = None,
+        priorities: Seq[int] | None = None,
+    ) -> list[GenerationResult]:
+        """Run all prompts to completion with continuous batching; results in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        params_list = (
+            list(params)
+            if isinstance(params, Seq)
+            else [params or SamplingParams()] * len(prompt_list)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError("params: one SamplingParams per prompt, or a single one")
+        token_lists = [self._tokenize(p) for p in prompt_list]
+        for ids in token_lists:
+            self.engine.validate_prompt(ids)
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for i, (ids, p) in enumerate(zip(token_lists, params_list, strict=True)):
+            request_id = f"offline-{next(self._ids)}"
+            order.append(request_id)
+            results[request_id] = GenerationResult(
+                request_id, ids, [CompletionOutput(j) for j in range(p.n)]
+            )
+            priority = priorities[i] if priorities else 0
+            self.engine.add_request(request_id, ids, p, priority=priority)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                result = results[out.request_id]
+                result.num_cached_tokens = out.num_cached_tokens
+                for delta in out.deltas:
+                    result.outputs[delta.index].add(delta)
+        return [results[r] for r in order]
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,61 @@
+"""Typed messages between the engine core and its workers (they may cross processes).
+
+A step input is sent once per step to every rank; per-sequence constants (sampling params,
+prompt) travel once, in `new_seqs`, and workers keep them until `finished_seq_ids` says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from actors.sampling_params import SamplingParams
+
+
+@dataclass
+class NewSeqData:
+    seq_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    # Seed of this sample's private generator (None: the shared one).
+    seed: int | None
+
+
+@dataclass
+class ScheduledItem:
+    seq_id: str
+    # Tokens to compute this step (prompt chunk, recomputation, or the last sampled token).
+    token_ids: list[int]
+    # Position of token_ids[0] (tokens already in the cache before it).
+    start_pos: int
+    block_table: list[int]
+    # Whether this step ends at the sequence's last token, so its logits are sampled.
+    sample: bool
+
+
+@dataclass
+class StepInput:
+    items: list[ScheduledItem]
+    new_seqs: list[NewSeqData] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)
+    # (num_sampled, ceil(vocab / 32)) int32 xgrammar bitmask rows, for `bitmask_rows` only;
+    # rows index the sampled items in order.
+    bitmask: np.ndarray | None = None
+    bitmask_rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TokenLogprobs:
+    # The chosen token's logprob and rank (1 = most likely), then the top-k alternatives.
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class StepOutput:
+    # One sampled token per item with `sample=True`, in item order.
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None

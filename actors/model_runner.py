@@ -1,0 +1,186 @@
+"""One rank's model, KV cache and step execution: StepInput -> tensors -> forward -> sample."""
+
+from __future__ import annotations
+
+import torch
+
+from actors.config import CacheConfig, ModelConfig
+from actors.forward_context import (
+    AttentionMetadata,
+    DecodeBucket,
+    PrefillSeqMeta,
+    set_forward_context,
+)
+from actors.layers.attention import TorchPagedAttention
+from actors.messages import ScheduledItem, StepInput, StepOutput
+from actors.models.loader import build_model
+from actors.parallel_state import get_tp_group
+from actors.platform import kv_cache_budget_bytes
+from actors.sampler import Sampler, SeqSamplingState
+
+# A decode bucket closes when the next (shorter) context would pad it by more than this.
+_BUCKET_MIN_FILL = 0.75
+_BUCKET_MIN_SIZE = 4
+
+
+class ModelRunner:
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device, seed=0
+    ):
+        self.config = model_config
+        self.cache_config = cache_config
+        self.device = device
+        tp = get_tp_group()
+        self.is_driver = tp.rank == 0
+        self.backend = TorchPagedAttention(
+            model_config.num_heads // tp.world_size,
+            max(1, model_config.num_kv_heads // tp.world_size),
+            model_config.head_dim,
+        )
+        self.model = build_model(model_config, self.backend, device)
+        self.num_local_kv_heads = self.backend.num_kv_heads
+        self.block_size = cache_config.block_size
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, seed)
+        self.states: dict[str, SeqSamplingState] = {}
+
+    # ------------------------------------------------------------------ KV cache
+    @property
+    def bytes_per_block(self) -> int:
+        c = self.config
+        elem = torch.empty((), dtype=c.dtype).element_size()
+        return 2 * c.num_layers * self.num_local_kv_heads * self.block_size * c.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        if self.cache_config.num_blocks is not None:
+            return self.cache_config.num_blocks
+        budget = kv_cache_budget_bytes(self.cache_config.memory_budget_bytes, self.device)
+        return max(1, budget // self.bytes_per_block)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        c = self.config
+        shape = (self.num_local_kv_heads, num_blocks, self.block_size, c.head_dim)
+        # Zeros, not empty: padded decode reads masked slots, and 0 * NaN would poison them.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=c.dtype, device=self.device),
+                torch.zeros(shape, dtype=c.dtype, device=self.device),
+            )
+            for _ in range(c.num_layers)
+        ]
+
+    # ---------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput | None:
+        for seq_id in step.finished_seq_ids:
+            self.states.pop(seq_id, None)
+        for new in step.new_seqs:
+            gen = None if new.seed is None else torch.Generator().manual_seed(new.seed)
+            self.states[new.seq_id] = SeqSamplingState(new.params, new.prompt_token_ids, [], gen)
+        if not step.items:
+            return StepOutput(sampled_token_ids=[]) if self.is_driver else None
+        input_ids, positions, meta, logits_rows = self._prepare(step.items)
+        with set_forward_context(meta):
+            hidden = self.model(input_ids, positions, self.kv_caches)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
+        if not self.is_driver:
+            return None
+        states = [self.states[item.seq_id] for item in step.items if item.sample]
+        bitmask = None if step.bitmask is None else torch.from_numpy(step.bitmask)
+        tokens, logprobs = self.sampler(logits, states, bitmask, step.bitmask_rows)
+        return StepOutput(sampled_token_ids=tokens, logprobs=logprobs)
+
+    def _prepare(self, items: list[ScheduledItem]):
+        """Flatten the step: prefill chunks first, then single-token (decode) items."""
+        bs = self.block_size
+        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) == 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        row_of_item: dict[int, int] = {}
+        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        decode_ctx: list[int] = []
+        decode_tables: list[list[int]] = []
+        for i in order:
+            item = items[i]
+            q_start, q_len = len(input_ids), len(item.token_ids)
+            ctx_len = item.start_pos + q_len
+            input_ids.extend(item.token_ids)
+            for pos in range(item.start_pos, ctx_len):
+                positions.append(pos)
+                slots.append(item.block_table[pos // bs] * bs + pos % bs)
+            if item.sample:
+                row_of_item[i] = len(input_ids) - 1
+            if q_len == 1:
+                decode_ctx.append(ctx_len)
+                decode_tables.append(item.block_table)
+            else:
+                meta.prefills.append(self._prefill_meta(item, q_start, q_len, ctx_len))
+                meta.num_prefill_tokens = len(input_ids)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        meta.decode_buckets = self._decode_buckets(decode_ctx, decode_tables)
+        # Logit rows in item order, which is the order the caller expects samples in.
+        logits_rows = [row_of_item[i] for i in range(len(items)) if i in row_of_item]
+        to_dev = dict(dtype=torch.long, device=self.device)
+        return (
+            torch.tensor(input_ids, **to_dev),
+            torch.tensor(positions, **to_dev),
+            meta,
+            torch.tensor(logits_rows, **to_dev),
+        )
+
+    def _prefill_meta(self, item: ScheduledItem, q_start: int, q_len: int, ctx_len: int):
+        window = self.config.sliding_window
+        plain_causal = item.start_pos == 0 and (window is None or ctx_len <= window)
+        table = None
+        mask = None
+        if item.start_pos > 0:
+            n_blocks = -(-ctx_len // self.block_size)
+            table = torch.tensor(item.block_table[:n_blocks], dtype=torch.long, device=self.device)
+        if not plain_causal:
+            q_pos = torch.arange(item.start_pos, ctx_len, device=self.device).unsqueeze(1)
+            k_pos = torch.arange(ctx_len, device=self.device).unsqueeze(0)
+            allowed = k_pos <= q_pos
+            if window is not None:
+                allowed &= (q_pos - k_pos) < window
+            mask = self._additive(allowed)
+        return PrefillSeqMeta(q_start, q_len, ctx_len, table, mask)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros((), dtype=self.config.dtype, device=self.device)
+        return torch.where(allowed, zero, torch.finfo(self.config.dtype).min)
+
+    def _decode_buckets(self, ctx: list[int], tables: list[list[int]]) -> list[DecodeBucket]:
+        if not ctx:
+            return []
+        bs = self.block_size
+        by_len = sorted(range(len(ctx)), key=lambda i: -ctx[i])
+        groups: list[list[int]] = [[]]
+        for i in by_len:
+            group = groups[-1]
+            if len(group) >= _BUCKET_MIN_SIZE and ctx[i] < _BUCKET_MIN_FILL * ctx[group[0]]:
+                groups.append([i])
+            else:
+                group.append(i)
+        window = self.config.sliding_window
+        buckets = []
+        for group in groups:
+            max_blocks = -(-ctx[group[0]] // bs)
+            flat: list[int] = []
+            for i in group:
+                table = tables[i][:max_blocks]
+                flat.extend(table + [0] * (max_blocks - len(table)))
+            lens = torch.tensor([ctx[i] for i in group], device=self.device).unsqueeze(1)
+            k_pos = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0)
+            allowed = k_pos < lens
+            if window is not None:
+                allowed &= k_pos >= lens - window
+            buckets.append(
+                DecodeBucket(
+                    rows=torch.tensor(group, dtype=torch.long, device=self.device),
+                    flat_block_ids=torch.tensor(flat, dtype=torch.long, device=self.device),
+                    max_blocks=max_blocks,
+                    mask=self._additive(allowed),
+                )
+            )
+        return buckets

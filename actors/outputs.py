@@ -1,0 +1,84 @@
+"""What the engine reports: per-step deltas, and the accumulated results of the offline API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.messages import TokenLogprobs
+from actors.request import FinishReason
+
+
+@dataclass
+class CompletionDelta:
+    """New output of one sample since the previous step."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request (only samples that changed)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    deltas: list[CompletionDelta]
+    num_cached_tokens: int
+    finished: bool
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason.value
+            self.stop_reason = delta.stop_reason
+
+
+@dataclass
+class GenerationResult:
+    """A finished request: `outputs` has one entry per sample; the properties read sample 0."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs

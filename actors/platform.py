@@ -1,0 +1,67 @@
+"""Every device choice in one place: which device, which dtype, which collective backend.
+
+The device follows torch (`torch.cuda.is_available()`), never Ray's resource labels: a Ray
+task given a fake GPU still runs on CPU here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def is_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def device_for_rank(local_rank: int = 0) -> torch.device:
+    if is_cuda():
+        # Ray sets CUDA_VISIBLE_DEVICES per worker, so the visible index is usually 0.
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def default_dtype() -> torch.dtype:
+    """fp32 on CPU (exact parity, fast enough); bf16 on CUDA."""
+    return torch.bfloat16 if is_cuda() else torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def distributed_backend() -> str:
+    return "nccl" if is_cuda() else "gloo"
+
+
+def kv_cache_budget_bytes(requested: int, device: torch.device) -> int:
+    """On CUDA use most of the free memory left after weights; on CPU the requested budget."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * float(os.environ.get("SERVE_APP_GPU_MEMORY_FRACTION", "0.85")))
+    return requested
+
+
+def describe() -> str:
+    if is_cuda():
+        return f"cuda ({torch.cuda.get_device_name(0)})"
+    return f"cpu ({torch.get_num_threads()} threads)"

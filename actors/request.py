@@ -1,0 +1,96 @@
+"""Sequence state: one sample stream of a request, as the scheduler and engine see it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    # Kept (its KV too, unless preempted), not scheduled: the consumer is not reading.
+    HELD = "held"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    TIMEOUT = "timeout"
+    # The grammar admits no continuation but its end.
+    GRAMMAR_END = "grammar_end"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    request_id: str
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    priority: int = 0
+    arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache at first admission (reported once).
+    num_cached_tokens: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    # Hash chain of this sequence's full blocks, filled as blocks become full.
+    block_hashes: list[int] = field(default_factory=list)
+    # Another sample of the same request whose prefill this one waits for (n > 1).
+    leader: Sequence | None = None
+    # Per-request constraint (grammar matcher) consulted before sampling; see grammar_state.
+    constraint: Any = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def may_start(self) -> bool:
+        """A sample waits for its leader's prompt blocks so it can share them."""
+        leader = self.leader
+        return leader is None or leader.is_finished or leader.is_prefill_done
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        # Lower priority value first, then arrival: FCFS with a priority hook.
+        return (self.priority, self.arrival_order)

@@ -1,0 +1,138 @@
+"""Batched sampling: penalties, masks, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+
+Draws use the exponential race (argmax p / E, E ~ Exp(1)), which samples exactly from p and
+lets a seeded sequence take its noise from its own generator: the same seed gives the same
+tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.messages import TokenLogprobs
+from actors.sampling_params import SamplingParams
+
+NO_TOKEN = -1  # every token was masked out: the constraint admits nothing more
+
+
+@dataclass
+class SeqSamplingState:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # (num_seqs, vocab)
+        states: list[SeqSamplingState],
+        bitmask: torch.Tensor | None = None,
+        bitmask_rows: list[int] | None = None,
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        logits = logits.float().cpu()
+        want_logprobs = any(s.params.logprobs is not None for s in states)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        self._apply_penalties(logits, states)
+        self._ban_stops_before_min_tokens(logits, states)
+        if bitmask is not None and bitmask_rows:
+            import xgrammar
+
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=bitmask_rows)
+        dead = torch.isneginf(logits).all(dim=-1)
+        tokens = self._draw(logits, states)
+        tokens[dead] = NO_TOKEN
+        token_list = tokens.tolist()
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = [
+                _token_logprobs(raw_logprobs[i], t, s.params.logprobs)
+                if s.params.logprobs is not None and t != NO_TOKEN
+                else None
+                for i, (t, s) in enumerate(zip(token_list, states, strict=True))
+            ]
+        for t, s in zip(token_list, states, strict=True):
+            if t != NO_TOKEN:
+                s.output_token_ids.append(t)
+        return token_list, logprobs
+
+    def _apply_penalties(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> None:
+        for i, s in enumerate(states):
+            p = s.params
+            if not p.needs_penalties:
+                continue
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(s.prompt_token_ids) | set(s.output_token_ids)))
+                if seen.numel():
+                    vals = row[seen]
+                    row[seen] = torch.where(
+                        vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                    )
+            if (p.presence_penalty or p.frequency_penalty) and s.output_token_ids:
+                counts = torch.bincount(torch.tensor(s.output_token_ids), minlength=row.shape[0])[
+                    : row.shape[0]
+                ].float()
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    def _ban_stops_before_min_tokens(
+        self, logits: torch.Tensor, states: list[SeqSamplingState]
+    ) -> None:
+        for i, s in enumerate(states):
+            p = s.params
+            if len(s.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    def _draw(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+        greedy = torch.tensor([s.params.is_greedy for s in states])
+        tokens = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return tokens
+        temps = torch.tensor([1.0 if s.params.is_greedy else s.params.temperature for s in states])
+        scaled = logits / temps.unsqueeze(1)
+        if any(s.params.needs_top_filter for s in states):
+            scaled = _top_filter(scaled, states)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, s in enumerate(states):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        drawn = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, tokens, drawn)
+
+
+def _top_filter(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([s.params.top_k or vocab for s in states]).clamp(max=vocab)
+    top_p = torch.tensor([s.params.top_p for s in states])
+    min_p = torch.tensor([s.params.min_p for s in states])
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the mass before it already reaches top_p (the first always stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    drop |= probs < (min_p * probs[:, :1])
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _token_logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    chosen = float(row[token])
+    rank = int((row > chosen).sum()) + 1
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = row.topk(k)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(logprob=chosen, rank=rank, top=top)

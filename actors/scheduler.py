@@ -1,0 +1,188 @@
+"""Continuous batching: one token budget per step shared by decodes and prefill chunks.
+
+Each sequence simply has tokens not yet computed: one after a sample (decode), many for a
+prompt (prefill, chunked under the budget). Running sequences are served first, in priority
+order; when blocks run out the lowest-priority sequence is preempted (held ones first) and
+recomputed later. Waiting sequences are admitted FCFS (priority hook) while room remains.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from actors.config import SchedulerConfig
+from actors.kv_cache import BlockManager
+from actors.request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    # The step computes up to the last token, so its logits give the next one. Fixed at
+    # scheduling time: computed-token counts move on when the step is done.
+    will_sample: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.will_sample = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # kept sorted by sort_key
+        self.running: list[Sequence] = []  # kept sorted by sort_key
+        self.held: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}
+
+    # ----------------------------------------------------------------- queue changes
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
+        self.seqs[seq.seq_id] = seq
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def hold(self, seq_id: str) -> bool:
+        """Stop scheduling `seq_id`, keeping its KV. Returns False when unknown."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.status is SequenceStatus.HELD:
+            return seq is not None
+        self._remove_from_queue(seq)
+        seq.status = SequenceStatus.HELD
+        self.held[seq_id] = seq
+        return True
+
+    def resume(self, seq_id: str) -> bool:
+        seq = self.held.pop(seq_id, None)
+        if seq is None:
+            return False
+        if seq.block_table:
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+        else:
+            seq.status = SequenceStatus.WAITING
+            bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        return True
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence for good (finished or aborted) and free its blocks."""
+        if self.seqs.pop(seq.seq_id, None) is None:
+            return
+        self._remove_from_queue(seq)
+        self.held.pop(seq.seq_id, None)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _remove_from_queue(self, seq: Sequence) -> None:
+        queue = {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running}
+        queue_list = queue.get(seq.status)
+        if queue_list is not None and seq in queue_list:
+            queue_list.remove(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.seqs)
+
+    # ----------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self._pick_victim(exclude=scheduled_ids)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                scheduled_ids.add(seq.seq_id)
+                budget -= num_new
+                i += 1
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        blocked: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.may_start:
+                blocked.append(self.waiting.pop(0))
+                continue
+            hits = self.block_manager.match_prefix(seq) if not seq.block_table else []
+            num_cached = len(hits) * self.block_manager.block_size
+            num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
+            if num_new < seq.num_uncomputed_tokens - num_cached and (
+                not self.config.enable_chunked_prefill
+            ):
+                break
+            if not self.block_manager.allocate(seq, num_new, hits):
+                break
+            self.waiting.pop(0)
+            seq.num_computed_tokens += num_cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        for seq in blocked:
+            bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        return budget
+
+    def _pick_victim(self, exclude: set[str]) -> Sequence:
+        for seq in self.held.values():
+            if seq.block_table:
+                return seq
+        candidates = [s for s in self.running if s.seq_id not in exclude]
+        return candidates[-1]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the KV of `seq`; it recomputes from scratch when scheduled again."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts and publish newly full blocks to the prefix cache."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "held": len(self.held),
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "kv_blocks_used": self.block_manager.num_used_blocks,
+        }

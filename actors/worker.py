@@ -1,0 +1,93 @@
+"""A tensor-parallel rank: joins the process group, holds its weight and KV shards, runs steps.
+
+`Worker` is a plain class (used in-process for TP=1); `RayWorker` is the thin actor shell the
+Ray executor starts, one per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from actors.config import CacheConfig, ModelConfig
+from actors.messages import StepInput, StepOutput
+from actors.model_runner import ModelRunner
+from actors.parallel_state import TPGroup, ensure_single_rank_group, set_tp_group
+from actors.platform import describe, device_for_rank, distributed_backend
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        init_method: str | None = None,
+        seed: int = 0,
+    ):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device_for_rank(0)
+        if world_size == 1:
+            ensure_single_rank_group()
+        else:
+            backend = distributed_backend()
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world_size
+            )
+            set_tp_group(TPGroup(rank=rank, world_size=world_size, group=dist.group.WORLD))
+        logger.info("TP rank %d/%d on %s", rank, world_size, describe())
+        self.runner = ModelRunner(model_config, cache_config, self.device, seed=seed)
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    def execute(self, step: StepInput) -> StepOutput | None:
+        return self.runner.execute(step)
+
+    def shard_info(self) -> dict[str, object]:
+        """Parameter shapes and bytes held by this rank (tests check the sharding)."""
+        params = dict(self.runner.model.named_parameters())
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "shapes": {name: tuple(p.shape) for name, p in params.items()},
+            "param_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+            "kv_cache_bytes": sum(
+                k.numel() * k.element_size() * 2 for k, _ in self.runner.kv_caches
+            ),
+            "device": str(self.device),
+        }
+
+    def ping(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_port_address() -> str:
+    """A tcp:// rendezvous address on this node, with a port the OS says is free."""
+    import socket
+
+    import ray.util
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"tcp://{host}:{port}"
+
+
+def torch_threads_for_worker(num_cpus: float) -> None:
+    torch.set_num_threads(max(1, int(num_cpus)))

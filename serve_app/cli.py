@@ -1,0 +1,115 @@
+"""The `serve-app` command: one small function per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from serve_app.model_presets import ARCHS, PRESETS
+
+PROG = "serve-app"
+EXIT_USAGE = 2  # the status argparse itself uses for bad arguments
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    return handler(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="LLM inference service on Ray Serve.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_make_model(subparsers)
+    _add_serve(subparsers)
+    return parser
+
+
+def _fail(command: str, message: str, status: int = EXIT_USAGE) -> int:
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
+    return status
+
+
+# ---------------------------------------------------------------- make-model
+
+
+def _seed(text: str) -> int:
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if seed < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {seed}")
+    return seed
+
+
+def _add_make_model(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "make-model",
+        help="write a small random-weight checkpoint in Hugging Face format",
+        description="Write a local Hugging Face-format checkpoint with seeded random weights, "
+        "a byte-level BPE tokenizer and a ChatML chat template. Same seed, same bytes.",
+    )
+    parser.add_argument("out", metavar="OUT", help="directory to create (or replace)")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--seed", type=_seed, default=0, help="weight seed (default 0)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT even if it holds files that make-model did not write",
+    )
+    parser.set_defaults(handler=cmd_make_model)
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    # Imported here: torch and transformers take seconds to load, which `--help` need not pay.
+    from serve_app.model_factory import make_model
+
+    started = time.perf_counter()
+    try:
+        out = make_model(
+            args.out, arch=args.arch, preset=args.preset, seed=args.seed, force=args.force
+        )
+    except (ValueError, FileExistsError) as exc:
+        return _fail("make-model", str(exc))
+    except OSError as exc:  # unwritable or vanished paths: not a usage error
+        return _fail("make-model", str(exc), status=1)
+    elapsed = time.perf_counter() - started
+    print(
+        f"wrote {args.arch}/{args.preset} (seed {args.seed}) to {out} in {elapsed:.1f}s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- serve
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run the HTTP inference service")
+    parser.add_argument("--model", metavar="DIR", help="local Hugging Face-format checkpoint")
+    parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size")
+    parser.add_argument("--replicas", type=int, default=1, metavar="N", help="engine replicas")
+    parser.add_argument("--host", default="127.0.0.1", metavar="H")
+    parser.add_argument("--port", type=int, default=8000, metavar="P")
+    parser.add_argument(
+        "--admin-port", type=int, default=None, metavar="P", help="admin API port (loopback only)"
+    )
+    parser.add_argument("--api-keys", metavar="FILE", help="API keys and tenants")
+    parser.add_argument("--store", metavar="URL", help="durable state store")
+    parser.add_argument("--config", metavar="FILE", help="ServeConfig YAML")
+    parser.set_defaults(handler=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    return _fail("serve", "the HTTP server is not available in this version yet", status=1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
