@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
 from tokenizers import Tokenizer
 
 from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from actors.detokenizer import IncrementalDetokenizer
 from actors.executor import make_executor
+from actors.grammar_state import allocate_bitmask
 from actors.kv_cache import BlockManager
 from actors.messages import NewSeqData, ScheduledItem, StepInput, StepOutput
 from actors.outputs import CompletionDelta, RequestOutput
@@ -186,8 +186,7 @@ class EngineCore:
         rows = [i for i, seq in enumerate(sampled) if seq.constraint is not None]
         if not rows:
             return
-        words = -(-self.model_config.vocab_size // 32)
-        bitmask = np.full((len(sampled), words), -1, dtype=np.int32)
+        bitmask = allocate_bitmask(len(sampled), self.model_config.vocab_size)
         for row in rows:
             sampled[row].constraint.fill_bitmask(bitmask, row)
         step.bitmask, step.bitmask_rows = bitmask, rows

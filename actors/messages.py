@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
+import torch
 
 from actors.sampling_params import SamplingParams
 
@@ -41,7 +41,7 @@ class StepInput:
     finished_seq_ids: list[str] = field(default_factory=list)
     # (num_sampled, ceil(vocab / 32)) int32 xgrammar bitmask rows, for `bitmask_rows` only;
     # rows index the sampled items in order.
-    bitmask: np.ndarray | None = None
+    bitmask: torch.Tensor | None = None
     bitmask_rows: list[int] = field(default_factory=list)
 
 

@@ -86,8 +86,7 @@ class ModelRunner:
         if not self.is_driver:
             return None
         states = [self.states[item.seq_id] for item in step.items if item.sample]
-        bitmask = None if step.bitmask is None else torch.from_numpy(step.bitmask)
-        tokens, logprobs = self.sampler(logits, states, bitmask, step.bitmask_rows)
+        tokens, logprobs = self.sampler(logits, states, step.bitmask, step.bitmask_rows)
         return StepOutput(sampled_token_ids=tokens, logprobs=logprobs)
 
     def _prepare(self, items: list[ScheduledItem]):

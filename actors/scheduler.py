@@ -50,6 +50,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # kept sorted by sort_key
         self.held: dict[str, Sequence] = {}
         self.seqs: dict[str, Sequence] = {}
+        self.num_preemptions = 0
 
     # ----------------------------------------------------------------- queue changes
     def add(self, seq: Sequence) -> None:
@@ -167,6 +168,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             seq.status = SequenceStatus.WAITING
@@ -185,4 +187,5 @@ class Scheduler:
             "held": len(self.held),
             "kv_blocks_total": self.block_manager.num_blocks,
             "kv_blocks_used": self.block_manager.num_used_blocks,
+            "num_preemptions": self.num_preemptions,
         }
