@@ -147,12 +147,29 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # Placement strategy for the TP workers' placement group (PACK, STRICT_PACK, SPREAD).
     placement_strategy: str = "PACK"
+    # How long to wait for the placement group before failing with a message.
+    placement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be >= 1")
         if self.placement_strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy {self.placement_strategy!r} is not valid")
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    """Fail at startup, naming the numbers, when `tp` cannot shard this model."""
+    problems = []
+    if model.num_heads % tp:
+        problems.append(f"num_attention_heads ({model.num_heads})")
+    if model.num_kv_heads >= tp and model.num_kv_heads % tp:
+        problems.append(f"num_key_value_heads ({model.num_kv_heads})")
+    if model.num_kv_heads < tp and tp % model.num_kv_heads:
+        problems.append(f"a multiple of num_key_value_heads ({model.num_kv_heads}) for replication")
+    if model.intermediate_size % tp:
+        problems.append(f"intermediate_size ({model.intermediate_size})")
+    if problems:
+        raise ValueError(f"tensor_parallel_size ({tp}) does not divide " + ", ".join(problems))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from actors.detokenizer import IncrementalDetokenizer
-from actors.executor import make_executor
+from actors.executor import ExecutorError, make_executor
 from actors.grammar_state import allocate_bitmask
 from actors.kv_cache import BlockManager
 from actors.messages import NewSeqData, ScheduledItem, StepInput, StepOutput
@@ -73,6 +73,9 @@ class EngineCore:
         self._new_seqs: list[NewSeqData] = []
         self._finished_seq_ids: list[str] = []
         self._aborted_outputs: list[RequestOutput] = []
+        self.num_steps = 0
+        # Set once a worker failed: the engine then refuses work and reports unhealthy.
+        self.dead: str | None = None
 
     # ------------------------------------------------------------------ requests
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -96,6 +99,8 @@ class EngineCore:
         priority: int = 0,
         constraints: list[object] | None = None,
     ) -> None:
+        if self.dead is not None:
+            raise ExecutorError(f"engine is not running: {self.dead}")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         self.validate_prompt(prompt_token_ids)
@@ -159,7 +164,13 @@ class EngineCore:
         if sched.is_empty:
             return outputs
         step_input = self._build_step_input(sched)
-        result = self.executor.execute(step_input)
+        try:
+            result = self.executor.execute(step_input)
+        except ExecutorError as exc:
+            logger.error("engine step failed; failing %d requests: %s", len(self.requests), exc)
+            self.dead = str(exc)
+            return outputs + self._fail_all(self.dead)
+        self.num_steps += 1
         self.scheduler.on_step_done(sched)
         return outputs + self._postprocess(sched, result)
 
@@ -235,6 +246,23 @@ class EngineCore:
         if logprobs is not None:
             delta.logprobs = (delta.logprobs or []) + [logprobs]
         delta.finish_reason, delta.stop_reason = reason, stop
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            deltas = []
+            for seq, detok in zip(state.seqs, state.detokenizers, strict=True):
+                if not seq.is_finished:
+                    self._finish(seq, FinishReason.ERROR, None)
+                    text = detok.take_delta(True)
+                    deltas.append(CompletionDelta(seq.index, [], text, None, FinishReason.ERROR))
+            prompt = state.seqs[0].prompt_token_ids
+            outputs.append(RequestOutput(request_id, prompt, deltas, 0, True, error=message))
+        self.requests.clear()
+        return outputs
+
+    def is_healthy(self) -> bool:
+        return self.dead is None and self.executor.is_healthy()
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop: str | int | None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 
-from actors.config import CacheConfig, ModelConfig, ParallelConfig
+from actors.config import CacheConfig, ModelConfig, ParallelConfig, check_tensor_parallel
 from actors.messages import StepInput, StepOutput
 
 
@@ -76,6 +76,7 @@ def make_executor(
     parallel_config: ParallelConfig,
     seed: int = 0,
 ) -> Executor:
+    check_tensor_parallel(model_config, parallel_config.tensor_parallel_size)
     if parallel_config.tensor_parallel_size == 1:
         return InProcessExecutor(model_config, cache_config, seed)
     from actors.ray_executor import RayExecutor

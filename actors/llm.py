@@ -8,6 +8,7 @@ from typing import Any
 
 from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from actors.engine_core import EngineCore
+from actors.executor import ExecutorError
 from actors.outputs import CompletionOutput, GenerationResult
 from actors.platform import resolve_dtype
 from actors.sampling_params import SamplingParams
@@ -97,6 +98,8 @@ class LLM:
             self.engine.add_request(request_id, ids, p, priority=priority)
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.error is not None:
+                    raise ExecutorError(f"generation failed: {out.error}")
                 result = results[out.request_id]
                 result.num_cached_tokens = out.num_cached_tokens
                 for delta in out.deltas:

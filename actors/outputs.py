@@ -33,6 +33,8 @@ class RequestOutput:
     deltas: list[CompletionDelta]
     num_cached_tokens: int
     finished: bool
+    # Set when the engine failed under this request (FinishReason.ERROR on its samples).
+    error: str | None = None
 
 
 @dataclass

@@ -28,6 +28,8 @@ class FinishReason(enum.StrEnum):
     TIMEOUT = "timeout"
     # The grammar admits no continuation but its end.
     GRAMMAR_END = "grammar_end"
+    # The engine (a worker) failed; the request cannot continue.
+    ERROR = "error"
 
 
 @dataclass(eq=False)

@@ -38,7 +38,8 @@ class Sampler:
         bitmask: torch.Tensor | None = None,
         bitmask_rows: list[int] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        logits = logits.float().cpu()
+        # A copy: penalties and masks below write in place, never into the caller's tensor.
+        logits = logits.to(device="cpu", dtype=torch.float32, copy=True)
         want_logprobs = any(s.params.logprobs is not None for s in states)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         self._apply_penalties(logits, states)
@@ -119,9 +120,12 @@ def _top_filter(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.T
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)
-    probs = torch.softmax(sorted_logits, dim=-1)
+    # top-p and min-p see the top-k survivors renormalised (HF warpers' and vLLM's order).
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Drop a token when the mass before it already reaches top_p (the first always stays).
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    # NOTE: only rows with top_p < 1: fp32 cumsums reach 1.0 early, which would cut the tail of
+    # an unfiltered row whenever a batch mate needs this filter.
+    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     drop |= probs < (min_p * probs[:, :1])
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, field, fields
+from numbers import Integral, Real
 from typing import Any
 
 MAX_LOGPROBS = 20
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True, init=False)
@@ -36,7 +47,8 @@ class SamplingParams:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __init__(self, **kwargs: Any) -> None:
-        names = {f.name for f in fields(self)} - {"extra"}
+        # `extra` is accepted too: dataclasses.replace() passes every field.
+        names = {f.name for f in fields(self)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
@@ -48,13 +60,33 @@ class SamplingParams:
             else:
                 value = f.default_factory()  # type: ignore[misc]
             object.__setattr__(self, f.name, value)
+        self._check_types()
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
+
+    def _check_types(self) -> None:
+        """Wrong types fail naming the field (not as a TypeError from a comparison)."""
+        for name in _INT_FIELDS + _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in ("seed", "logprobs"):
+                continue
+            kind = Integral if name in _INT_FIELDS else Real
+            # NOTE: an infinite temperature or penalty turns -inf (masked) logits into NaN.
+            if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+                noun = "an integer" if kind is Integral else "a finite number"
+                raise ValueError(f"{name} must be {noun} (got {value!r})")
+        if not isinstance(self.stop, str | list | tuple | None):
+            raise ValueError(f"stop must be a string or a list of strings (got {self.stop!r})")
+        ids = self.stop_token_ids
+        if not isinstance(ids, list | tuple | None) or not all(
+            isinstance(t, Integral) and not isinstance(t, bool) for t in ids or ()
+        ):
+            raise ValueError(f"stop_token_ids must be a list of integers (got {ids!r})")
 
     def _validate(self) -> None:
         checks = [

@@ -107,7 +107,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         i = 0
-        while i < len(self.running) and budget > 0:
+        # NOTE: `resume` can leave more than max_num_seqs running; the batch stays capped.
+        while (
+            i < len(self.running) and budget > 0 and len(out.scheduled) < self.config.max_num_seqs
+        ):
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new == 0:

@@ -76,18 +76,57 @@ class Worker:
             dist.destroy_process_group()
 
 
-def free_port_address() -> str:
-    """A tcp:// rendezvous address on this node, with a port the OS says is free."""
-    import socket
+class RayWorkerShell:
+    """What runs inside a Ray actor: started empty, then `init_worker` once the rendezvous
+    address (chosen by rank 0 on its own node) is known to every rank."""
 
-    import ray.util
+    def __init__(self, num_threads: int):
+        torch.set_num_threads(max(1, num_threads))
+        self.worker: Worker | None = None
 
-    host = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return f"tcp://{host}:{port}"
+    def rendezvous_address(self) -> str:
+        import socket
 
+        import ray.util
 
-def torch_threads_for_worker(num_cpus: float) -> None:
-    torch.set_num_threads(max(1, int(num_cpus)))
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def init_worker(self, *args, **kwargs) -> None:
+        import ray
+
+        gpu_ids = ray.get_gpu_ids()
+        if gpu_ids and not torch.cuda.is_available():
+            logger.warning(
+                "Ray assigned GPU(s) %s but torch sees no CUDA device: running on CPU", gpu_ids
+            )
+        self.worker = Worker(*args, **kwargs)
+
+    def determine_num_blocks(self) -> int:
+        return self._w.determine_num_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._w.init_kv_cache(num_blocks)
+
+    def execute(self, step: StepInput) -> StepOutput | None:
+        return self._w.execute(step)
+
+    def shard_info(self) -> dict[str, object]:
+        return {**self._w.shard_info(), "node_id": self.node_id()}
+
+    def ping(self) -> bool:
+        return True
+
+    @property
+    def _w(self) -> Worker:
+        if self.worker is None:
+            raise RuntimeError("worker used before init_worker")
+        return self.worker

@@ -26,3 +26,21 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> ModelDirs:
         return built[key]
 
     return get
+
+
+# ------------------------------------------------------------------------ Ray session
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test run, always shut down at the end."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -1,0 +1,169 @@
+"""Tensor parallelism over Ray: one worker actor per rank inside a placement group.
+
+Inside a Serve replica or a Ray Data actor the current placement group is used (bundle 0 is
+the replica itself, ranks take the bundles after it); elsewhere the executor creates one.
+Each step is one `execute` call per rank with the same StepInput.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.config import CacheConfig, ModelConfig, ParallelConfig
+from actors.executor import Executor, ExecutorError
+from actors.messages import StepInput, StepOutput
+from actors.worker import RayWorkerShell
+
+logger = logging.getLogger(__name__)
+
+
+def _bundle_resource(bundle: dict[str, float]) -> dict[str, float]:
+    return {"num_gpus": 1} if bundle.get("GPU", 0) >= 1 else {"num_cpus": 1}
+
+
+def placement_failure_message(bundles: list[dict], strategy: str, timeout_s: float) -> str:
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    largest = max(nodes, key=lambda r: (r.get("GPU", 0), r.get("CPU", 0)), default={})
+    summary = {k: largest[k] for k in ("CPU", "GPU") if k in largest}
+    return (
+        f"placement group {bundles} ({strategy}) could not be placed within {timeout_s:.0f}s; "
+        f"the largest node has {summary}"
+    )
+
+
+class RayExecutor(Executor):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        parallel_config: ParallelConfig,
+        seed: int = 0,
+    ):
+        if not ray.is_initialized():
+            ray.init(log_to_driver=False)
+        self.tp = parallel_config.tensor_parallel_size
+        self._healthy = True
+        self._owned_pg: PlacementGroup | None = None
+        pg, first_bundle = self._placement_group(parallel_config)
+        bundles = pg.bundle_specs
+        self.workers = []
+        for rank in range(self.tp):
+            bundle = bundles[first_bundle + rank]
+            resources = _bundle_resource(bundle)
+            actor = ray.remote(RayWorkerShell).options(
+                **resources,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=first_bundle + rank
+                ),
+            )
+            self.workers.append(actor.remote(int(bundle.get("CPU", 1))))
+        try:
+            address = ray.get(self.workers[0].rendezvous_address.remote())
+            self._all(
+                lambda rank, w: w.init_worker.remote(
+                    model_config, cache_config, rank, self.tp, address, seed
+                )
+            )
+        except Exception:
+            self.shutdown()
+            raise
+
+    def _placement_group(self, config: ParallelConfig) -> tuple[PlacementGroup, int]:
+        current = get_current_placement_group()
+        if current is not None:
+            n = len(current.bundle_specs)
+            if n >= self.tp + 1:
+                return current, 1
+            if n == self.tp:
+                return current, 0
+            raise ValueError(
+                f"tensor_parallel_size ({self.tp}) needs {self.tp} bundles after the replica's "
+                f"own, but its placement group has {n}"
+            )
+        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        bundles = [{"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1} for _ in range(self.tp)]
+        pg = placement_group(bundles, strategy=config.placement_strategy)
+        try:
+            ray.get(pg.ready(), timeout=config.placement_timeout_s)
+        except GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                placement_failure_message(
+                    bundles, config.placement_strategy, config.placement_timeout_s
+                )
+            ) from None
+        self._owned_pg = pg
+        return pg, 0
+
+    def _all(self, call, timeout: float | None = None) -> list:
+        """Run `call(rank, worker)` on every rank; the first failure raises at once."""
+        refs = [call(rank, w) for rank, w in enumerate(self.workers)]
+        results: dict = {}
+        pending = list(refs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                raise GetTimeoutError(f"ranks did not answer within {timeout}s")
+            for ref in ready:
+                results[ref] = ray.get(ref)
+        return [results[r] for r in refs]
+
+    def determine_num_blocks(self) -> int:
+        return min(self._all(lambda _, w: w.determine_num_blocks.remote()))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._all(lambda _, w: w.init_kv_cache.remote(num_blocks))
+
+    def execute(self, step: StepInput) -> StepOutput:
+        if not self._healthy:
+            raise ExecutorError("a tensor-parallel worker was lost earlier")
+        try:
+            out = self._all(lambda _, w: w.execute.remote(step))[0]
+        except (RayError, GetTimeoutError) as exc:
+            self._healthy = False
+            raise ExecutorError(f"tensor-parallel worker failed: {exc}") from exc
+        return out
+
+    def is_healthy(self) -> bool:
+        if not self._healthy:
+            return False
+        try:
+            self._all(lambda _, w: w.ping.remote(), timeout=10)
+        except (RayError, GetTimeoutError):
+            self._healthy = False
+        return self._healthy
+
+    def shard_info(self) -> list[dict[str, object]]:
+        return self._all(lambda _, w: w.shard_info.remote())
+
+    def measure_step_overhead(self, repeats: int = 20) -> float:
+        """Seconds of one round trip to every rank with an empty step (no model work)."""
+        self.execute(StepInput(items=[]))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            self.execute(StepInput(items=[]))
+        return (time.perf_counter() - start) / repeats
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            # An already dead worker is fine.
+            with contextlib.suppress(Exception):
+                ray.kill(w)
+        self.workers = []
+        if self._owned_pg is not None:
+            remove_placement_group(self._owned_pg)
+            self._owned_pg = None

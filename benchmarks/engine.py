@@ -1,0 +1,184 @@
+"""Engine benchmark: ours vs transformers `generate` on the same requests, side by side.
+
+Prints JSON (and writes it with --out, plus a PNG next to it). Figures are about this
+machine; the ratios are what the targets speak of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Timer, checkpoint, mixed_requests, write_json  # noqa: E402
+
+from actors import LLM, SamplingParams  # noqa: E402
+
+
+def hf_static_batches(hf, requests, batch_size: int) -> float:
+    """Seconds to run `requests` through HF generate in static, left-padded batches."""
+    from transformers import GenerationConfig
+
+    with Timer() as t:
+        for start in range(0, len(requests), batch_size):
+            batch = requests[start : start + batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.full((len(batch), width), 2, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, (p, _) in enumerate(batch):
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            config = GenerationConfig(
+                max_new_tokens=max(m for _, m in batch),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )
+            with torch.no_grad():
+                hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return t.seconds
+
+
+def ours_offline(llm: LLM, requests) -> float:
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in requests]
+    with Timer() as t:
+        llm.generate([p for p, _ in requests], params)
+    return t.seconds
+
+
+def batch1_decode(llm: LLM, hf, prompt, num_tokens: int) -> dict:
+    from transformers import GenerationConfig
+
+    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate([prompt], params)  # warm-up
+    with Timer() as full:
+        llm.generate([prompt], params)
+    with Timer() as first:
+        llm.generate([prompt], one)
+    ours = (full.seconds - first.seconds) / (num_tokens - 1)
+
+    def hf_run(n):
+        config = GenerationConfig(
+            max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2
+        )
+        with torch.no_grad(), Timer() as t:
+            hf.generate(torch.tensor([prompt]), generation_config=config)
+        return t.seconds
+
+    hf_run(num_tokens)
+    theirs = (hf_run(num_tokens) - hf_run(1)) / (num_tokens - 1)
+    return {
+        "ours_ms_per_token": ours * 1e3,
+        "hf_ms_per_token": theirs * 1e3,
+        "ratio": ours / theirs,
+    }
+
+
+def prefix_cache_ttft(llm: LLM, vocab: int) -> dict:
+    import random
+
+    rng = random.Random(99)
+    prefix = [rng.randrange(5, vocab) for _ in range(512)]
+    one = SamplingParams(max_tokens=1, temperature=0)
+    cold_times, warm_times = [], []
+    for i in range(3):
+        llm.engine.block_manager.reset_prefix_cache()
+        with Timer() as cold:
+            llm.generate([prefix + [5 + i, 6]], one)
+        with Timer() as warm:
+            llm.generate([prefix + [7 + i, 8]], one)
+        cold_times.append(cold.seconds)
+        warm_times.append(warm.seconds)
+    cold_s, warm_s = min(cold_times), min(warm_times)
+    return {"cold_ttft_ms": cold_s * 1e3, "cached_ttft_ms": warm_s * 1e3, "ratio": warm_s / cold_s}
+
+
+def tensor_parallel(path: str, requests) -> dict:
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        out = {}
+        for tp in (1, 2):
+            llm = LLM(model=path, tensor_parallel_size=tp)
+            ours_offline(llm, requests[:4])  # warm-up
+            seconds = ours_offline(llm, requests)
+            tokens = sum(m for _, m in requests)
+            steps = llm.engine.num_steps
+            out[f"tp{tp}"] = {
+                "tokens_per_s": tokens / seconds,
+                "ms_per_step": seconds / max(steps, 1) * 1e3,
+            }
+            if tp == 2:
+                out["step_overhead_ms"] = llm.engine.executor.measure_step_overhead() * 1e3
+            llm.shutdown()
+        out["tp2_over_tp1"] = out["tp2"]["tokens_per_s"] / out["tp1"]["tokens_per_s"]
+        return out
+    finally:
+        ray.shutdown()
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    thr = result["offline_throughput"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar(["ours", "transformers\n(static batches)"], [thr["ours_tok_s"], thr["hf_tok_s"]])
+    ax.set_ylabel("useful output tokens/s")
+    ax.set_title(f"{thr['num_requests']} mixed requests, bench checkpoint (CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="tiny checkpoint, few requests")
+    parser.add_argument("--skip-tp", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    preset = "tiny" if args.quick else "bench"
+    n = 8 if args.quick else args.num_requests
+    path = checkpoint("llama", preset)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    requests = mixed_requests(n, vocab, output_range=(16, 64 if args.quick else 256))
+    llm = LLM(model=path, max_model_len=1024)
+    ours_offline(llm, requests[:4])  # warm-up
+    tokens = sum(m for _, m in requests)
+    ours_s = ours_offline(llm, requests)
+    hf_s = hf_static_batches(hf, requests, args.hf_batch_size)
+    result = {
+        "machine": {"torch_threads": torch.get_num_threads(), "device": "cpu"},
+        "checkpoint": f"llama-{preset}",
+        "offline_throughput": {
+            "num_requests": n,
+            "useful_output_tokens": tokens,
+            "ours_tok_s": tokens / ours_s,
+            "hf_tok_s": tokens / hf_s,
+            "ratio": hf_s / ours_s,
+            "target_ratio": 2.0,
+        },
+        "batch1_decode": {**batch1_decode(llm, hf, requests[0][0][:16], 64), "target_ratio": 1.2},
+        "prefix_cache": {**prefix_cache_ttft(llm, vocab), "target_ratio": 0.3},
+    }
+    llm.shutdown()
+    if not args.skip_tp:
+        result["tensor_parallel"] = tensor_parallel(path, requests[: max(8, n // 4)])
+    write_json(result, args.out)
+    if args.out:
+        plot(result, os.path.splitext(args.out)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()
