@@ -98,7 +98,10 @@ class EngineCore:
         params: SamplingParams,
         priority: int = 0,
         constraints: list[object] | None = None,
+        awaiting_constraint: bool = False,
     ) -> None:
+        """Queue a request. With `awaiting_constraint`, prefill may start before the grammar
+        is ready; `set_constraints` releases the first sample."""
         if self.dead is not None:
             raise ExecutorError(f"engine is not running: {self.dead}")
         if request_id in self.requests:
@@ -116,6 +119,7 @@ class EngineCore:
                 priority=priority,
                 leader=seqs[0] if seqs else None,
                 constraint=constraints[i] if constraints else None,
+                awaiting_constraint=awaiting_constraint,
             )
             seqs.append(seq)
             seed = params.seed
@@ -128,18 +132,45 @@ class EngineCore:
         ]
         self.requests[request_id] = _RequestState(request_id, seqs, detoks)
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+    def set_constraints(self, request_id: str, constraints: list[object]) -> None:
+        for seq in self._seqs_of(request_id):
+            seq.constraint = constraints[seq.index]
+            seq.awaiting_constraint = False
+
+    def abort(
+        self,
+        request_id: str,
+        reason: FinishReason = FinishReason.ABORT,
+        error: str | None = None,
+        error_code: str | None = None,
+    ) -> None:
         """Stop a request; its blocks are free before the next step. Unknown ids: no-op."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return
+        self._aborted_outputs.append(self._end(state, reason, error, error_code))
+
+    def _end(
+        self,
+        state: _RequestState,
+        reason: FinishReason,
+        error: str | None = None,
+        error_code: str | None = None,
+    ) -> RequestOutput:
         deltas = []
         for seq, detok in zip(state.seqs, state.detokenizers, strict=True):
             if not seq.is_finished:
                 self._finish(seq, reason, None)
                 deltas.append(CompletionDelta(seq.index, [], detok.take_delta(True), None, reason))
-        self._aborted_outputs.append(
-            RequestOutput(request_id, state.seqs[0].prompt_token_ids, deltas, 0, True)
+        seq0 = state.seqs[0]
+        return RequestOutput(
+            state.request_id,
+            seq0.prompt_token_ids,
+            deltas,
+            seq0.num_cached_tokens or 0,
+            True,
+            error=error,
+            error_code=error_code,
         )
 
     def hold(self, request_id: str) -> None:
@@ -168,8 +199,7 @@ class EngineCore:
             result = self.executor.execute(step_input)
         except ExecutorError as exc:
             logger.error("engine step failed; failing %d requests: %s", len(self.requests), exc)
-            self.dead = str(exc)
-            return outputs + self._fail_all(self.dead)
+            return outputs + self.fail_all(str(exc))
         self.num_steps += 1
         self.scheduler.on_step_done(sched)
         return outputs + self._postprocess(sched, result)
@@ -230,7 +260,8 @@ class EngineCore:
     def _advance(self, state: _RequestState, seq: Sequence, token: int, logprobs) -> None:
         detok = state.detokenizers[seq.index]
         if token == NO_TOKEN:
-            reason, stop = FinishReason.GRAMMAR_END, "grammar_end"
+            # The constraint admits nothing more: the grammar's own end.
+            reason, stop = FinishReason.STOP, "grammar_end"
             new_tokens: list[int] = []
         else:
             seq.token_ids.append(token)
@@ -247,17 +278,13 @@ class EngineCore:
             delta.logprobs = (delta.logprobs or []) + [logprobs]
         delta.finish_reason, delta.stop_reason = reason, stop
 
-    def _fail_all(self, message: str) -> list[RequestOutput]:
-        outputs = []
-        for request_id, state in list(self.requests.items()):
-            deltas = []
-            for seq, detok in zip(state.seqs, state.detokenizers, strict=True):
-                if not seq.is_finished:
-                    self._finish(seq, FinishReason.ERROR, None)
-                    text = detok.take_delta(True)
-                    deltas.append(CompletionDelta(seq.index, [], text, None, FinishReason.ERROR))
-            prompt = state.seqs[0].prompt_token_ids
-            outputs.append(RequestOutput(request_id, prompt, deltas, 0, True, error=message))
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every live request with an error and refuse new work from now on."""
+        self.dead = message
+        outputs = [
+            self._end(state, FinishReason.ERROR, message, "engine_lost")
+            for state in self.requests.values()
+        ]
         self.requests.clear()
         return outputs
 

@@ -26,8 +26,6 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     TIMEOUT = "timeout"
-    # The grammar admits no continuation but its end.
-    GRAMMAR_END = "grammar_end"
     # The engine (a worker) failed; the request cannot continue.
     ERROR = "error"
 
@@ -54,6 +52,8 @@ class Sequence:
     leader: Sequence | None = None
     # Per-request constraint (grammar matcher) consulted before sampling; see grammar_state.
     constraint: Any = None
+    # The constraint is still compiling: prefill may run, but not up to the first sample.
+    awaiting_constraint: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
@@ -77,6 +77,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens that may be computed now: all but the last while a constraint compiles."""
+        return self.num_uncomputed_tokens - (1 if self.awaiting_constraint else 0)
 
     @property
     def is_prefill_done(self) -> bool:

@@ -126,7 +126,7 @@ def _top_filter(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.T
     # NOTE: only rows with top_p < 1: fp32 cumsums reach 1.0 early, which would cut the tail of
     # an unfiltered row whenever a batch mate needs this filter.
     drop |= ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    drop |= probs < (min_p * probs[:, :1])
+    drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
