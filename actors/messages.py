@@ -59,3 +59,16 @@ class StepOutput:
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
+
+
+@dataclass
+class EngineRequest:
+    """What the service sends an engine replica for one request (crosses Ray)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # A one-element list holding the compiled grammar's ObjectRef (or None). Boxed so Serve
+    # does not resolve it before the call: prefill overlaps compilation.
+    grammar: list[object] | None = None
+    priority: int = 0

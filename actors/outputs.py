@@ -33,8 +33,9 @@ class RequestOutput:
     deltas: list[CompletionDelta]
     num_cached_tokens: int
     finished: bool
-    # Set when the engine failed under this request (FinishReason.ERROR on its samples).
+    # Set when the request ended in an error (engine lost, grammar failed to compile, ...).
     error: str | None = None
+    error_code: str | None = None
 
 
 @dataclass

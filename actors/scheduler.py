@@ -112,8 +112,8 @@ class Scheduler:
             i < len(self.running) and budget > 0 and len(out.scheduled) < self.config.max_num_seqs
         ):
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new == 0:
+            num_new = min(seq.num_schedulable_tokens, budget)
+            if num_new <= 0:
                 i += 1
                 continue
             while not self.block_manager.allocate(seq, num_new):
@@ -140,10 +140,13 @@ class Scheduler:
                 continue
             hits = self.block_manager.match_prefix(seq) if not seq.block_table else []
             num_cached = len(hits) * self.block_manager.block_size
-            num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
-            if num_new < seq.num_uncomputed_tokens - num_cached and (
-                not self.config.enable_chunked_prefill
-            ):
+            wanted = seq.num_schedulable_tokens - num_cached
+            if wanted <= 0:
+                # Only the sampling step is left and its constraint is not ready yet.
+                blocked.append(self.waiting.pop(0))
+                continue
+            num_new = min(wanted, budget)
+            if num_new < wanted and not self.config.enable_chunked_prefill:
                 break
             if not self.block_manager.allocate(seq, num_new, hits):
                 break

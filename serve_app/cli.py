@@ -94,21 +94,70 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="run the HTTP inference service")
     parser.add_argument("--model", metavar="DIR", help="local Hugging Face-format checkpoint")
-    parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size")
-    parser.add_argument("--replicas", type=int, default=1, metavar="N", help="engine replicas")
-    parser.add_argument("--host", default="127.0.0.1", metavar="H")
-    parser.add_argument("--port", type=int, default=8000, metavar="P")
+    parser.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (default 1)")
+    parser.add_argument("--replicas", type=int, metavar="N", help="engine replicas (default 1)")
+    parser.add_argument("--host", metavar="H", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, metavar="P", help="HTTP port (default 8000)")
     parser.add_argument(
         "--admin-port", type=int, default=None, metavar="P", help="admin API port (loopback only)"
     )
     parser.add_argument("--api-keys", metavar="FILE", help="API keys and tenants")
     parser.add_argument("--store", metavar="URL", help="durable state store")
     parser.add_argument("--config", metavar="FILE", help="ServeConfig YAML")
+    parser.add_argument(
+        "--address", metavar="ADDR", help="join a running Ray cluster (auto, ray://..., HOST:PORT)"
+    )
+    parser.add_argument(
+        "--strict-structured-output",
+        action="store_true",
+        help="refuse to start when structured output cannot be enforced for this tokenizer",
+    )
     parser.set_defaults(handler=cmd_serve)
 
 
+def serve_config_from_args(args: argparse.Namespace):
+    from serve_app.config import ServeConfig
+
+    flat = {
+        "model": args.model,
+        "host": args.host,
+        "port": args.port,
+        "admin_port": args.admin_port,
+        "api_keys_file": args.api_keys,
+        "store": args.store,
+        "ray_address": args.address,
+    }
+    data: dict = {}
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            data = yaml.safe_load(f) or {}
+    data.update({k: v for k, v in flat.items() if v is not None})
+    engine = dict(data.get("engine") or {})
+    if args.tp is not None:
+        engine["tensor_parallel_size"] = args.tp
+    if args.replicas is not None:
+        engine["num_replicas"] = args.replicas
+    data["engine"] = engine
+    if args.strict_structured_output:
+        data.setdefault("grammar", {})["strict_structured_output"] = True
+    return ServeConfig.model_validate(data)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    return _fail("serve", "the HTTP server is not available in this version yet", status=1)
+    from pydantic import ValidationError
+
+    if not args.model and not args.config:
+        return _fail("serve", "--model DIR (or --config FILE naming a model) is required")
+    try:
+        config = serve_config_from_args(args)
+    except ValidationError as exc:
+        return _fail("serve", str(exc))
+    from serve_app.server import run_forever
+
+    run_forever(config)
+    return 0
 
 
 if __name__ == "__main__":

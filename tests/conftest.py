@@ -44,3 +44,35 @@ def ray_session():
         yield ray
     finally:
         ray.shutdown()
+
+
+# ---------------------------------------------------------------- served application
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_session, model_dirs):
+    """The whole graph on the tiny llama, served on a free loopback port for the session."""
+    from ray import serve
+
+    from serve_app.app import APP_NAME, build_app
+    from serve_app.config import ServeConfig
+    from serve_app.server import wait_healthy
+
+    port = free_port()
+    config = ServeConfig(model=str(model_dirs("llama")), port=port, admin_port=free_port())
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout_s=180)
+        yield url
+    finally:
+        serve.shutdown()

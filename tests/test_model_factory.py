@@ -380,6 +380,12 @@ def test_cli_rebuilds_over_a_previous_checkpoint(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.parent.iterdir() if p.name.startswith(f".{tmp_path.name}.")]
 
 
-def test_cli_serve_says_it_is_not_available(capsys) -> None:
-    assert cli.main(["serve", "--model", "m", "--tp", "2", "--port", "9000"]) == 1
-    assert "not available" in capsys.readouterr().err
+def test_cli_serve_refuses_a_folder_that_is_not_a_checkpoint(tmp_path: Path, capsys) -> None:
+    assert cli.main(["serve", "--model", str(tmp_path), "--tp", "2", "--port", "9000"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_cli_serve_refuses_a_public_host_without_api_keys(model_dirs, capsys) -> None:
+    model = str(model_dirs("llama"))
+    assert cli.main(["serve", "--model", model, "--host", "0.0.0.0"]) == 2
+    assert "without api_keys_file" in capsys.readouterr().err

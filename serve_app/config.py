@@ -1,0 +1,100 @@
+"""ServeConfig: one pydantic model for the whole service, loadable from YAML.
+
+Bad config fails at startup with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1)
+    placement_strategy: str = "PACK"
+    placement_timeout_s: float = Field(60.0, gt=0)
+    # Resources of the replica itself (bundle 0); TP ranks get their own bundles.
+    replica_cpus: float = Field(1.0, gt=0)
+    dtype: str | None = None
+    max_model_len: int | None = Field(None, ge=2)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(1024, ge=1)
+    block_size: int = Field(16, ge=1)
+    kv_cache_bytes: int = Field(512 * 1024**2, ge=1)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+
+class GrammarOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Refuse to start when xgrammar cannot initialise for the tokenizer.
+    strict_structured_output: bool = False
+    compile_timeout_s: float = Field(10.0, gt=0)
+    cache_bytes: int = Field(64 * 1024**2, ge=0)
+    max_threads: int = Field(4, ge=1)
+    # Largest schema / regex / grammar text accepted, in bytes.
+    max_spec_bytes: int = Field(64 * 1024, ge=1)
+
+
+class LimitOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(4 * 1024**2, ge=1024)
+    max_n: int = Field(16, ge=1)
+    # Upper bound on max_tokens; None: whatever the context leaves.
+    max_output_tokens: int | None = Field(None, ge=1)
+    max_stop_sequences: int = Field(8, ge=0)
+    max_prompts_per_request: int = Field(64, ge=1)
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str
+    # The id clients send as `model`; defaults to the checkpoint folder's name.
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    admin_port: int = Field(8001, ge=0, le=65535)
+    api_keys_file: str | None = None
+    store: str | None = None
+    ray_address: str | None = None
+    engine: EngineOptions = EngineOptions()
+    grammar: GrammarOptions = GrammarOptions()
+    limits: LimitOptions = LimitOptions()
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model: {self.model} is not a checkpoint folder (no config.json)")
+        if not is_loopback(self.host) and not self.api_keys_file:
+            raise ValueError(
+                f"host: refusing to bind {self.host} (not loopback) without api_keys_file"
+            )
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: object) -> ServeConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

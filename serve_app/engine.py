@@ -1,0 +1,87 @@
+"""Engine deployment: one replica = one model copy (its TP workers in the replica's
+placement group), a step thread, and typed output streams back to the ingress."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+
+from actors.async_engine import AsyncEngine
+from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from actors.engine_core import EngineCore
+from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
+from actors.messages import EngineRequest
+from actors.outputs import RequestOutput
+from actors.platform import describe, resolve_dtype
+from serve_app.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def build_model_config(config: ServeConfig) -> ModelConfig:
+    e = config.engine
+    return ModelConfig.from_pretrained(
+        config.model, dtype=resolve_dtype(e.dtype), max_model_len=e.max_model_len
+    )
+
+
+class EngineService:
+    def __init__(self, config: ServeConfig):
+        from transformers import AutoTokenizer
+
+        e = config.engine
+        self.model_config = build_model_config(config)
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+        core = EngineCore(
+            self.model_config,
+            tokenizer.backend_tokenizer,
+            CacheConfig(
+                block_size=e.block_size,
+                memory_budget_bytes=e.kv_cache_bytes,
+                enable_prefix_caching=e.enable_prefix_caching,
+            ),
+            ParallelConfig(e.tensor_parallel_size, e.placement_strategy, e.placement_timeout_s),
+            SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens),
+            seed=e.seed,
+        )
+        # Built lazily on the first grammar: engines that never see one never pay for it.
+        grammar_cache = CompiledGrammarCache(lambda: load_tokenizer_info(config.model))
+        self.engine = AsyncEngine(core, grammar_cache.get_constraint)
+        logger.info(
+            "engine replica ready on %s (tp=%d, %d KV blocks)",
+            describe(),
+            e.tensor_parallel_size,
+            core.block_manager.num_blocks,
+        )
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        grammar = request.grammar[0] if request.grammar else None
+        async for out in self.engine.generate(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            grammar=grammar,
+            priority=request.priority,
+        ):
+            yield out
+
+    def stats(self) -> dict[str, object]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            **self.engine.stats(),
+            "replica": os.environ.get("SERVE_REPLICA_ID", ctx.get_actor_id() or "local"),
+            "node_id": ctx.get_node_id(),
+        }
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; raising makes it replace the replica."""
+        if not self.engine.is_healthy():
+            raise RuntimeError(f"engine unhealthy: {self.engine.core.dead or 'step thread died'}")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,297 @@
+"""The error taxonomy: one JSON shape, one status per class, retry headers clients obey.
+
+Every error body is `{"error": {"message", "type", "code", "param"}}`. `type` follows the
+HTTP status (OpenAI's names where OpenAI has one); `code` names the exact cause.
+
+| status | type                    | client should                 | codes                        |
+|--------|-------------------------|-------------------------------|------------------------------|
+| 400    | invalid_request_error   | fix the request               | invalid_request,             |
+|        |                         |                               | unknown_parameter,           |
+|        |                         |                               | unsupported_parameter,       |
+|        |                         |                               | invalid_grammar,             |
+|        |                         |                               | context_length_exceeded,     |
+|        |                         |                               | max_tokens_exceeded,         |
+|        |                         |                               | deadline_too_short           |
+| 401    | authentication_error    | fix credentials               | invalid_api_key              |
+| 403    | permission_error        | fix credentials / permissions | model_not_permitted          |
+| 404    | not_found_error         | stop (it does not exist)      | model_not_found,             |
+|        |                         |                               | generation_not_found         |
+| 409    | conflict_error          | stop retrying this id         | request_id_in_use,           |
+|        |                         |                               | idempotency_key_reused,      |
+|        |                         |                               | stale_revision               |
+| 413    | invalid_request_error   | shrink the body               | body_too_large               |
+| 422    | invalid_request_error   | shrink (generations API)      | context_length_exceeded,     |
+|        |                         |                               | max_tokens_exceeded          |
+| 429    | rate_limit_error        | shed load, honour Retry-After | concurrency_limit,           |
+|        |                         |                               | token_rate_limit             |
+| 500    | server_error            | retry only if idempotent      | internal_error               |
+| 503    | overloaded_error        | back off, retry elsewhere     | overloaded,                  |
+|        |                         |                               | deadline_unmeetable          |
+
+Retry headers: the official `openai` client retries 408/409/429/5xx on its own unless told
+`x-should-retry: false`. So every 4xx and every non-repeatable 500 says `false`; 429 and 503
+say `true` and carry `Retry-After` (whole seconds, at least 1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+# Status -> OpenAI-style `type`; one fact, used by every constructor below.
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "overloaded_error",
+}
+
+NO_RETRY = {"x-should-retry": "false"}
+
+
+class APIError(Exception):
+    """An error the API reports to its caller; raise it anywhere before headers are sent."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        type: str | None = None,  # the wire name; defaults from the status
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.type = type or ERROR_TYPES.get(status, "server_error")
+        self.headers = dict(headers) if headers is not None else _default_headers(status)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.code,
+                "param": self.param,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    @property
+    def should_retry(self) -> bool:
+        return self.headers.get("x-should-retry") == "true"
+
+    def __repr__(self) -> str:
+        return f"APIError({self.status}, {self.code!r}, {self.message!r}, param={self.param!r})"
+
+
+def _default_headers(status: int) -> dict[str, str]:
+    # 4xx: the request itself is at fault, repeating it cannot help.
+    return dict(NO_RETRY) if 400 <= status < 500 else {}
+
+
+def _retry_after(retry_after_s: float) -> dict[str, str]:
+    # NOTE: Retry-After is whole seconds; rounding 0.2 s down to 0 would invite a hot loop.
+    seconds = max(1, math.ceil(retry_after_s)) if math.isfinite(retry_after_s) else 1
+    return {"Retry-After": str(seconds), "x-should-retry": "true"}
+
+
+# ------------------------------------------------------------------------------- 400
+
+
+def invalid_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, "invalid_request", message, param=param)
+
+
+def unknown_parameter(name: str) -> APIError:
+    return APIError(400, "unknown_parameter", f"Unknown parameter: '{name}'.", param=name)
+
+
+def unsupported_parameter(name: str, why: str) -> APIError:
+    message = f"Unsupported parameter: '{name}': {why}"
+    return APIError(400, "unsupported_parameter", message, param=name)
+
+
+def invalid_grammar(reason: str, param: str | None) -> APIError:
+    return APIError(400, "invalid_grammar", f"Invalid grammar: {reason}", param=param)
+
+
+def deadline_too_short(message: str, param: str | None = "timeout") -> APIError:
+    return APIError(400, "deadline_too_short", message, param=param)
+
+
+def context_length_exceeded(
+    message: str, status: int = 400, param: str | None = "messages"
+) -> APIError:
+    _check_too_large_status(status)
+    return APIError(status, "context_length_exceeded", message, param=param)
+
+
+def max_tokens_exceeded(
+    message: str, status: int = 400, param: str | None = "max_tokens"
+) -> APIError:
+    _check_too_large_status(status)
+    return APIError(status, "max_tokens_exceeded", message, param=param)
+
+
+def _check_too_large_status(status: int) -> None:
+    # 400 on the OpenAI endpoints (what OpenAI clients expect), 422 on /v1/generations.
+    if status not in (400, 422):
+        raise ValueError(f"a too-large error is 400 or 422, not {status}")
+
+
+# ------------------------------------------------------------------------- 401 - 413
+
+
+def invalid_api_key(message: str = "Invalid or missing API key.") -> APIError:
+    return APIError(401, "invalid_api_key", message)
+
+
+def permission_denied(code: str, message: str) -> APIError:
+    return APIError(403, code, message)
+
+
+def not_found(code: str, message: str, param: str | None = None) -> APIError:
+    return APIError(404, code, message, param=param)
+
+
+def conflict(code: str, message: str) -> APIError:
+    return APIError(409, code, message)
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, "body_too_large", f"Request body exceeds the limit of {limit} bytes.")
+
+
+# ------------------------------------------------------------------------- 429 / 503
+
+
+def limit_exceeded(code: str, message: str, retry_after_s: float) -> APIError:
+    return APIError(429, code, message, headers=_retry_after(retry_after_s))
+
+
+def overloaded(message: str, retry_after_s: float) -> APIError:
+    return APIError(503, "overloaded", message, headers=_retry_after(retry_after_s))
+
+
+def deadline_unmeetable(message: str, retry_after_s: float) -> APIError:
+    return APIError(503, "deadline_unmeetable", message, headers=_retry_after(retry_after_s))
+
+
+# ------------------------------------------------------------------------------- 500
+
+
+def internal_error(message: str = "Internal error.", retryable: bool = False) -> APIError:
+    # NOTE: only the caller knows whether a repeat is safe (nothing was sent, no side
+    # effect recorded); default to "do not repeat", which never duplicates work.
+    headers = {"x-should-retry": "true" if retryable else "false"}
+    return APIError(500, "internal_error", message, headers=headers)
+
+
+# ------------------------------------------------------------- /v1/server_info data
+
+TAXONOMY: list[dict[str, Any]] = [
+    {
+        "class": "malformed_request",
+        "status": [400],
+        "type": ERROR_TYPES[400],
+        "client_action": "fix the request",
+        "should_retry": False,
+        "codes": [
+            "invalid_request",
+            "unknown_parameter",
+            "unsupported_parameter",
+            "invalid_grammar",
+        ],
+    },
+    {
+        "class": "not_authenticated",
+        "status": [401],
+        "type": ERROR_TYPES[401],
+        "client_action": "fix credentials",
+        "should_retry": False,
+        "codes": ["invalid_api_key"],
+    },
+    {
+        "class": "not_permitted",
+        "status": [403],
+        "type": ERROR_TYPES[403],
+        "client_action": "fix credentials",
+        "should_retry": False,
+        "codes": ["model_not_permitted"],
+    },
+    {
+        "class": "not_found",
+        "status": [404],
+        "type": ERROR_TYPES[404],
+        "client_action": "none: the resource does not exist for this caller",
+        "should_retry": False,
+        "codes": ["model_not_found", "generation_not_found"],
+    },
+    {
+        "class": "conflict",
+        "status": [409],
+        "type": ERROR_TYPES[409],
+        "client_action": "stop retrying this id",
+        "should_retry": False,
+        "codes": ["request_id_in_use", "idempotency_key_reused", "stale_revision"],
+    },
+    {
+        "class": "too_large",
+        "status": [413, 400, 422],
+        "type": ERROR_TYPES[413],
+        "client_action": "shrink the body, prompt or max_tokens",
+        "should_retry": False,
+        "codes": ["body_too_large", "context_length_exceeded", "max_tokens_exceeded"],
+        "note": "body_too_large is 413; the others are 400 on OpenAI endpoints, "
+        "422 on /v1/generations",
+    },
+    {
+        "class": "limit_exceeded",
+        "status": [429],
+        "type": ERROR_TYPES[429],
+        "client_action": "shed load; retry after Retry-After",
+        "should_retry": True,
+        "retry_after": True,
+        "codes": ["concurrency_limit", "token_rate_limit"],
+    },
+    {
+        "class": "capacity_unavailable",
+        "status": [503],
+        "type": ERROR_TYPES[503],
+        "client_action": "retry elsewhere with backoff",
+        "should_retry": True,
+        "retry_after": True,
+        "codes": ["overloaded", "deadline_unmeetable"],
+    },
+    {
+        "class": "deadline_too_short",
+        "status": [400],
+        "type": ERROR_TYPES[400],
+        "client_action": "raise the deadline",
+        "should_retry": False,
+        "codes": ["deadline_too_short"],
+    },
+    {
+        "class": "internal",
+        "status": [500],
+        "type": ERROR_TYPES[500],
+        "client_action": "retry only if the request is idempotent",
+        "should_retry": "only when x-should-retry is true",
+        "codes": ["internal_error"],
+    },
+]

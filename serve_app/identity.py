@@ -1,0 +1,64 @@
+"""The served artifact's identity: hashes of weights, tokenizer and chat template.
+
+Two deployments with the same weights and a different template are different artifacts, so
+every answer names all of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+CACHE_DIR = Path(os.environ.get("SERVE_APP_CACHE", Path.home() / ".cache" / "serve-app"))
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_hash(model_dir: str | Path) -> str:
+    """sha256 over every safetensors file (name + content), memoised by size and mtime."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    memo = CACHE_DIR / "hashes" / (hashlib.sha256(repr(stamp).encode()).hexdigest() + ".txt")
+    if memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(_sha256_file(f).encode())
+    digest = h.hexdigest()
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(digest)
+    except OSError:
+        pass  # a read-only home only costs a re-hash next time
+    return digest
+
+
+def artifact_identity(
+    model_dir: str | Path, chat_template: str | None, extra: dict | None = None
+) -> dict:
+    """Hashes of what is served plus `extra` (grammar backend, parsers); `fingerprint`
+    digests all of it."""
+    model_dir = Path(model_dir)
+    tok_file = model_dir / "tokenizer.json"
+    identity = {
+        "weights_sha256": weights_hash(model_dir),
+        "tokenizer_sha256": _sha256_file(tok_file) if tok_file.is_file() else "",
+        "chat_template_sha256": hashlib.sha256((chat_template or "").encode()).hexdigest(),
+    }
+    identity.update(extra or {})
+    identity["fingerprint"] = (
+        "fp_"
+        + hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[
+            :16
+        ]
+    )
+    return identity

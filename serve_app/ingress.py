@@ -1,0 +1,72 @@
+"""Ingress deployment: routes only. Each route hands off to its API family's handlers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from serve_app import errors
+from serve_app.config import ServeConfig
+from serve_app.openai_api import OpenAIHandlers
+from serve_app.server_info import server_info
+
+
+class Ingress:
+    def __init__(
+        self,
+        config: ServeConfig,
+        tokenizer_handle: Any,
+        grammar_handle: Any,
+        engine_handle: Any,
+        identity: dict[str, Any],
+    ):
+        self.config = config
+        self.identity = identity
+        self.created = int(time.time())
+        self.openai = OpenAIHandlers(
+            config, tokenizer_handle, grammar_handle, engine_handle, identity
+        )
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        async def on_api_error(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, errors.APIError)
+            return exc.response()
+
+        return Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/server_info", self.server_info, methods=["GET"]),
+                Route("/v1/chat/completions", self.openai.chat, methods=["POST"]),
+                Route("/v1/completions", self.openai.completions, methods=["POST"]),
+            ],
+            exception_handlers={errors.APIError: on_api_error},
+        )
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.config.model_id})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config.model_id,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "serve-app",
+                        "max_model_len": self.identity["max_model_len"],
+                        "fingerprint": self.identity["fingerprint"],
+                    }
+                ],
+            }
+        )
+
+    async def server_info(self, request: Request) -> Response:
+        return JSONResponse(server_info(self.config, self.identity))

@@ -1,0 +1,229 @@
+"""OpenAI-compatible response bodies and stream chunks (typed; `.to_dict()` is the wire form)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+
+# OpenAI reports "practically impossible" tokens as -9999.0; JSON has no -Infinity.
+MIN_LOGPROB = -9999.0
+
+# Engine finish reasons -> OpenAI (finish_reason, stop_reason override). ERROR is absent on
+# purpose: an engine failure is an error frame or a 500, never a finish reason.
+_OPENAI_FINISH: dict[str, tuple[str, str | None]] = {
+    "stop": ("stop", None),
+    "length": ("length", None),
+    "timeout": ("timeout", None),
+    "abort": ("abort", None),
+    "grammar_end": ("stop", "grammar_end"),
+}
+
+
+def openai_finish_reason(
+    finish_reason: str, stop_reason: str | int | None = None
+) -> tuple[str, str | int | None]:
+    """Map an engine outcome to OpenAI's (`finish_reason`, `stop_reason`)."""
+    if finish_reason not in _OPENAI_FINISH:
+        raise ValueError(f"no OpenAI finish reason for {finish_reason!r}")
+    reason, override = _OPENAI_FINISH[finish_reason]
+    return reason, override if override is not None else stop_reason
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def clamp_logprob(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+class WireModel(BaseModel):
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+# -------------------------------------------------------------------------- usage
+
+
+class PromptTokensDetails(WireModel):
+    cached_tokens: int = 0
+
+
+class Usage(WireModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        # Cached tokens are part of prompt_tokens, never added on top.
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+# ----------------------------------------------------------------- chat logprobs
+
+
+class TopLogprob(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        token: str,
+        logprob: float,
+        top: Sequence[tuple[str, float]] = (),
+        token_bytes: bytes | None = None,
+    ) -> ChatTokenLogprob:
+        """`token_bytes` is for tokens that are not whole UTF-8 (byte-fallback pieces)."""
+        raw = token.encode("utf-8") if token_bytes is None else token_bytes
+        return cls(
+            token=token,
+            logprob=clamp_logprob(logprob),
+            bytes=list(raw),
+            top_logprobs=[
+                TopLogprob(token=t, logprob=clamp_logprob(lp), bytes=list(t.encode("utf-8")))
+                for t, lp in top
+            ],
+        )
+
+
+class ChatLogprobs(WireModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+# -------------------------------------------------------------- chat completion
+
+
+class ChatResponseMessage(WireModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChoice(WireModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(WireModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    # The served artifact's fingerprint (weights, tokenizer, template, grammar backend).
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(WireModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A delta carries only what changed: `{}` on the finish chunk, as OpenAI sends it.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(WireModel):
+    index: int
+    delta: DeltaMessage = Field(default_factory=DeltaMessage)
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(WireModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChunkChoice]
+    # Only the final usage chunk (with `choices: []`) sets it.
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+# ------------------------------------------------------------------ completions
+
+
+class CompletionLogprobs(WireModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        tokens: list[str],
+        logprobs: list[float],
+        top: list[list[tuple[str, float]]] | None = None,
+        start_offset: int = 0,
+    ) -> CompletionLogprobs:
+        """`start_offset`: characters of text before these tokens (earlier chunks, echo)."""
+        offsets, offset = [], start_offset
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        tops: list[dict[str, float] | None] = (
+            [{t: clamp_logprob(lp) for t, lp in alts} for alts in top]
+            if top is not None
+            else [None] * len(tokens)
+        )
+        return cls(
+            tokens=list(tokens),
+            token_logprobs=[clamp_logprob(lp) for lp in logprobs],
+            top_logprobs=tops,
+            text_offset=offsets,
+        )
+
+
+class CompletionChoice(WireModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(WireModel):
+    id: str
+    # OpenAI uses "text_completion" for both the body and its stream chunks.
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(CompletionResponse):
+    """A stream chunk; `usage` is set only on the final usage chunk (`choices: []`)."""

@@ -1,0 +1,71 @@
+"""Start (or join) Ray, deploy the graph, wait for health, and shut down cleanly."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+import urllib.request
+
+from serve_app.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def wait_healthy(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200 and json.loads(r.read()).get("status") == "ok":
+                    return
+        except Exception as exc:  # noqa: BLE001 (not up yet)
+            last = str(exc)
+        time.sleep(0.25)
+    raise TimeoutError(f"{url}/health did not turn green within {timeout_s:.0f}s ({last})")
+
+
+def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
+    """Deploy `config`; returns the base URL once /health answers. Ray is started locally
+    unless `config.ray_address` names a cluster to join."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import APP_NAME, build_app
+
+    if not ray.is_initialized():
+        if config.ray_address:
+            ray.init(address=config.ray_address, log_to_driver=False)
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False, **(ray_init_kwargs or {}))
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    url = f"http://{host}:{config.port}"
+    wait_healthy(url, timeout_s=config.engine.placement_timeout_s + 120)
+    return url
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def run_forever(config: ServeConfig) -> None:
+    url = start(config)
+    print(f"serving {config.model_id} at {url}/v1 (Ctrl-C to stop)", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        done.wait()
+    finally:
+        print("shutting down", flush=True)
+        stop()

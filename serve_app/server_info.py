@@ -1,0 +1,77 @@
+"""GET /v1/server_info: what this deployment serves, enforces and promises, as data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serve_app import errors
+from serve_app.config import ServeConfig
+
+# Fields that change nothing here: accepted and ignored (never one that changes output).
+IGNORED_FIELDS = ["user", "metadata", "store", "service_tier"]
+
+OUTCOMES = [
+    {
+        "cause": "EOS or stop token/string",
+        "openai": {"finish_reason": "stop", "stop_reason": "the matched stop"},
+    },
+    {"cause": "max tokens", "openai": {"finish_reason": "length"}},
+    {
+        "cause": "grammar complete, no continuation but the end",
+        "openai": {"finish_reason": "stop", "stop_reason": "grammar_end"},
+    },
+    {"cause": "client cancel / disconnect", "openai": {"finish_reason": "abort"}},
+    {"cause": "engine or worker lost, internal error", "openai": "error frame / 500"},
+]
+
+
+def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": config.model_id,
+        "artifact": {
+            "weights_sha256": identity["weights_sha256"],
+            "tokenizer_sha256": identity["tokenizer_sha256"],
+            "chat_template_sha256": identity["chat_template_sha256"],
+            "fingerprint": identity["fingerprint"],
+            "architecture": identity["architecture"],
+            "dtype": identity["dtype"],
+        },
+        "grammar_backend": identity.get("grammar", {}),
+        "structured_output": {
+            "enforced_during_decode": bool(identity.get("grammar", {}).get("available")),
+            "kinds": ["json_object", "json_schema", "regex", "grammar", "choice"],
+            "strict_structured_output": config.grammar.strict_structured_output,
+        },
+        "limits": {
+            "max_model_len": identity["max_model_len"],
+            "max_body_bytes": config.limits.max_body_bytes,
+            "max_n": config.limits.max_n,
+            "max_output_tokens": config.limits.max_output_tokens,
+            "max_stop_sequences": config.limits.max_stop_sequences,
+            "max_grammar_spec_bytes": config.grammar.max_spec_bytes,
+            "grammar_compile_timeout_s": config.grammar.compile_timeout_s,
+            "max_top_logprobs": 20,
+        },
+        "parameter_policy": {
+            "unknown_fields": "400 unknown_parameter, naming the field",
+            "unsupported_fields": "400 unsupported_parameter, naming the field",
+            "ignored_fields": IGNORED_FIELDS,
+        },
+        "token_id_prompts": "special tokens are not added to token-id prompts",
+        "disconnect_policy": {
+            "openai": "a request is cancelled when its client disconnects",
+        },
+        "determinism": (
+            "a per-request seed gives the same tokens regardless of batch mates on CPU fp32; "
+            "best effort on GPU in bf16"
+        ),
+        "errors": errors.TAXONOMY,
+        "outcomes": OUTCOMES,
+        "engine": {
+            "tensor_parallel_size": config.engine.tensor_parallel_size,
+            "replicas": config.engine.num_replicas,
+            "max_num_seqs": config.engine.max_num_seqs,
+            "block_size": config.engine.block_size,
+            "prefix_caching": config.engine.enable_prefix_caching,
+        },
+    }

@@ -1,0 +1,43 @@
+"""Token ids -> the text and exact bytes each token stands for (for logprobs)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2's reversible byte <-> printable-character table, used by byte-level BPE.
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class TokenTexts:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        decoder = _byte_decoder()
+        if piece is not None and all(c in decoder for c in piece):
+            raw = bytes(decoder[c] for c in piece)
+        else:
+            raw = self.tokenizer.decode([token_id]).encode()
+        text = raw.decode("utf-8", errors="replace")
+        self._cache[token_id] = (text, raw)
+        return text, raw
