@@ -17,9 +17,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# `make serve MODEL=/path/to/checkpoint` serves a real checkpoint; SERVE_ARGS adds flags.
+MODEL ?=
+SERVE_ARGS ?=
+
 serve: $(STAMP)
+ifeq ($(strip $(MODEL)),)
 	test -f $(DEMO_MODEL)/config.json || $(VENV)/bin/serve-app make-model $(DEMO_MODEL) --arch llama --preset tiny
-	$(VENV)/bin/serve-app serve --model $(DEMO_MODEL)
+	$(VENV)/bin/serve-app serve --model $(DEMO_MODEL) $(SERVE_ARGS)
+else
+	$(VENV)/bin/serve-app serve --model $(MODEL) $(SERVE_ARGS)
+endif
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check actors serve_app tests benchmarks
@@ -30,6 +38,7 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	mkdir -p benchmarks/results
 	$(PY) benchmarks/engine.py --out benchmarks/results/engine.json
+	$(PY) benchmarks/serving.py --out benchmarks/results/serving.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -30,7 +30,11 @@ class EngineService:
     def __init__(self, config: ServeConfig):
         from transformers import AutoTokenizer
 
+        import torch
+
         e = config.engine
+        # Ray pins actors to one OpenMP thread per requested CPU; the engine uses them all.
+        torch.set_num_threads(max(1, int(e.replica_cpus)))
         self.model_config = build_model_config(config)
         tokenizer = AutoTokenizer.from_pretrained(config.model)
         core = EngineCore(
