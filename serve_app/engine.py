@@ -28,9 +28,8 @@ def build_model_config(config: ServeConfig) -> ModelConfig:
 
 class EngineService:
     def __init__(self, config: ServeConfig):
-        from transformers import AutoTokenizer
-
         import torch
+        from transformers import AutoTokenizer
 
         e = config.engine
         # Ray pins actors to one OpenMP thread per requested CPU; the engine uses them all.

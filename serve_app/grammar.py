@@ -30,14 +30,17 @@ BACKEND_VERSION = importlib.metadata.version("xgrammar")
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 DEFAULT_CACHE_LIMIT_BYTES = 64 << 20
 # Part of the cache key: another backend, version or compile option must not hit old entries.
-COMPILER_ID = f"{BACKEND}=={BACKEND_VERSION};any_whitespace=0;strict_mode=1"
+COMPILER_ID = f"{BACKEND}=={BACKEND_VERSION};any_whitespace=0;strict_mode=1;bounded_char=json"
 MAX_REASON_CHARS = 500
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:NN: ".
 _LOG_PREFIX = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\]\s+\S+?:\d+:\s*")
+# NOTE: xgrammar 0.2.9 lets raw control characters into length-bounded JSON strings (invalid
+# JSON). Its printed EBNF is patched to the character class its other JSON strings use.
+_BOUNDED_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 _COUNTERS = ("compiles", "cache_hits", "cache_misses", "inflight_joins", "timeouts", "errors")
-# (kind, seconds, hit, outcome) with outcome one of "ok", "error", "timeout".
-OnCompile = Callable[[str, float, bool, str], None]
+OnCompile = Callable[[str, float, bool, str], None]  # kind, seconds, hit, ok|error|timeout
 
 
 @dataclass(frozen=True)
@@ -154,8 +157,7 @@ class GrammarService:
         try:
             kind, canonical = self._canonicalize(spec)
         except GrammarError:
-            # Only known kinds become metric labels.
-            label = spec.kind if spec.kind in GRAMMAR_KINDS else "unknown"
+            label = spec.kind if spec.kind in GRAMMAR_KINDS else "unknown"  # bounded labels
             self._record(label, started, hit=False, outcome="error")
             raise
         key = self.cache_key(kind, canonical)
@@ -183,7 +185,7 @@ class GrammarService:
             self._record(kind, started, hit=False, outcome="timeout")
             reason = f"grammar compilation timed out after {self.compile_timeout_s:g}s"
             raise GrammarError(reason) from None
-        except GrammarError:
+        except Exception:  # GrammarError, or an internal error that still counts
             self._record(kind, started, hit=False, outcome="error")
             raise
         seconds = self._record(kind, started, hit=False, outcome="ok")
@@ -225,7 +227,7 @@ class GrammarService:
         if kind == "json_object":
             # Not the builtin JSON grammar: that admits top-level arrays and unbounded whitespace.
             return kind, '{"type":"object"}'
-        if not isinstance(spec.spec, str) or not spec.spec.strip():
+        if not isinstance(spec.spec, str) or not spec.spec:
             raise GrammarError(f"a {kind} grammar needs a non-empty spec")
         if kind == "json_schema":
             return kind, canonical_json_schema(spec.spec)
@@ -236,7 +238,7 @@ class GrammarService:
     def _compile_and_store(self, key: str, kind: str, canonical: str) -> str:
         """On the pool. Stores the result even after every waiter timed out: a retry finds it."""
         started = time.perf_counter()
-        serialized = None
+        serialized: str | None = None
         try:
             serialized = self._compile_serialized(kind, canonical)
             return serialized
@@ -257,7 +259,8 @@ class GrammarService:
             # No free whitespace: a weak model could otherwise emit it until max_tokens.
             # json_object is not strict: it admits any properties.
             options = {"any_whitespace": False, "strict_mode": kind == "json_schema"}
-            compiled = compiler.compile_json_schema(canonical, **options)
+            ebnf = str(xgr.Grammar.from_json_schema(canonical, **options))
+            compiled = compiler.compile_grammar(ebnf.replace(_BOUNDED_CHAR, _JSON_STRING_CHAR))
         elif kind == "regex":
             compiled = compiler.compile_regex(canonical)
         elif kind == "ebnf":
@@ -371,30 +374,4 @@ def _canonical(node: Any) -> Any:
             out[name] = _canonical(value)
         else:
             out[name] = value
-    return _bound_string_by_pattern(out)
-
-
-# NOTE: xgrammar 0.2.9 admits raw control characters in length-bounded strings (invalid JSON),
-# and overlong or surrogate UTF-8 in a character class range that spans UTF-8 lead bytes. So
-# bounded strings become a pattern over unescaped JSON characters, split where lead bytes change.
-_JSON_CHAR = (
-    "[\\x20-\\x21\\x23-\\x5b\\x5d-\\x7f\u0080-\u07ff\u0800-\u0fff\u1000-\ucfff\ud000-\ud7ff"
-    "\ue000-\uffff\U00010000-\U0003ffff\U00040000-\U000fffff\U00100000-\U0010ffff]"
-)
-
-
-def _bound_string_by_pattern(schema: dict[str, Any]) -> dict[str, Any]:
-    types = schema.get("type")
-    low, high = schema.get("minLength", 0), schema.get("maxLength")
-    bounds = (low,) if high is None else (low, high)
-    if (
-        "string" not in (types if isinstance(types, list) else [types])
-        or not {"minLength", "maxLength"} & schema.keys()
-        or {"pattern", "format"} & schema.keys()
-        or not all(type(bound) is int and bound >= 0 for bound in bounds)
-        or (high is not None and low > high)
-    ):
-        return schema  # anything odd goes to xgrammar as written, for its own error
-    bounded = {k: v for k, v in schema.items() if k not in ("minLength", "maxLength")}
-    upper = "" if high is None else high
-    return bounded | {"pattern": f"^{_JSON_CHAR}{{{low},{upper}}}$"}
+    return out

@@ -5,6 +5,9 @@ from pathlib import Path
 
 import pytest
 
+# Fixtures shared by the grammar test modules.
+pytest_plugins = ["grammar_fixtures"]
+
 # ---------------------------------------------------------------- factory checkpoints
 
 ModelDirs = Callable[..., Path]
