@@ -14,6 +14,7 @@ from serve_app.engine import EngineService, build_model_config
 from serve_app.grammar import GrammarService
 from serve_app.identity import artifact_identity
 from serve_app.ingress import Ingress
+from serve_app.metrics import record_grammar_compile
 from serve_app.tokenizer import TokenizerService
 
 APP_NAME = "serve-app"
@@ -81,6 +82,7 @@ def build_app(config: ServeConfig) -> Application:
         max_threads=config.grammar.max_threads,
         cache_limit_bytes=config.grammar.cache_bytes,
         compile_timeout_s=config.grammar.compile_timeout_s,
+        on_compile=record_grammar_compile,
     )
     bundles = engine_bundles(config)
     engine_options: dict[str, Any] = dict(
@@ -103,3 +105,8 @@ def build_app(config: ServeConfig) -> Application:
         ray_actor_options={"num_cpus": 0},
     ).bind(config, tokenizer, grammar, engine, identity)
     return ingress
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """For `serve run serve_app.app:app_builder model=DIR ...` and Serve config files."""
+    return build_app(ServeConfig.model_validate(args))

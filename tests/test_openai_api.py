@@ -354,3 +354,56 @@ def test_malformed_json_and_ignored_fields(serve_url, model_id):
         timeout=30,
     )
     assert ok.status_code == 200
+
+
+def test_more_parameters_do_what_they_promise(client, model_id, model_dirs):
+    def chat(max_tokens=24, **extra):
+        r = client.chat.completions.create(
+            model=model_id,
+            messages=CHAT,
+            temperature=extra.pop("temperature", 0),
+            max_tokens=max_tokens,
+            extra_body={"ignore_eos": True, **extra},
+        )
+        return r.choices[0].message.content
+
+    base = chat()
+    short = client.chat.completions.create(
+        model=model_id,
+        messages=CHAT,
+        temperature=0,
+        max_completion_tokens=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert short.usage.completion_tokens == 5 and base.startswith(short.choices[0].message.content)
+    # top_p keeping only the most likely token is greedy whatever the temperature.
+    assert chat(temperature=1.0, top_p=1e-6, seed=3) == base
+    assert chat(presence_penalty=2.0) != base
+    assert chat(repetition_penalty=3.0) != base
+
+    # Stop on a token id the greedy run produces (ids from the offline engine, same model).
+    llm = LLM(model=str(model_dirs("llama")))
+    greedy = llm.generate(["abc"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    ids, text = greedy[0].token_ids, greedy[0].text
+    stop_id = ids[4]
+    before = llm.tokenizer.decode(ids[:4])
+
+    def complete(**extra):
+        return client.completions.create(
+            model=model_id, prompt="abc", max_tokens=12, temperature=0, extra_body=extra
+        ).choices[0]
+
+    r = complete(stop_token_ids=[stop_id], ignore_eos=True)
+    assert (r.finish_reason, r.text) == ("stop", before)
+    kept = complete(stop_token_ids=[stop_id], include_stop_str_in_output=True, ignore_eos=True)
+    assert kept.text == llm.tokenizer.decode(ids[:5]) and text.startswith(kept.text)
+    # min_tokens holds EOS back: the answer has at least that many tokens.
+    r = client.chat.completions.create(
+        model=model_id,
+        messages=CHAT,
+        max_tokens=30,
+        temperature=1.0,
+        seed=9,
+        extra_body={"min_tokens": 20},
+    )
+    assert r.usage.completion_tokens >= 20
