@@ -107,6 +107,15 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         self.validate_prompt(prompt_token_ids)
+        longest = min(len(prompt_token_ids) + params.max_tokens, self.model_config.max_model_len)
+        needed = self.block_manager.blocks_needed(longest)
+        if needed > self.block_manager.num_blocks:
+            # It could never be scheduled: refuse it instead of letting it wait forever.
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_token_ids)}) plus max_tokens "
+                f"({params.max_tokens}) needs {needed} KV blocks; the cache has "
+                f"{self.block_manager.num_blocks}"
+            )
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(

@@ -7,13 +7,19 @@ Invariants: a block is either referenced (ref_count > 0) or in the free queue, n
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from actors.request import Sequence
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """sha256 over the parent's digest and this block's tokens. A collision would serve
+    another prompt's KV silently, so no 64-bit hash: crafted prompts must not alias."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class BlockManager:
@@ -22,10 +28,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         # Free blocks, least recently used first; cached content is evicted from the front.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}
+        self.cached: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -38,8 +44,8 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _full_block_hashes(self, token_ids: list[int], num_tokens: int) -> list[int]:
-        hashes: list[int] = []
+    def _full_block_hashes(self, token_ids: list[int], num_tokens: int) -> list[bytes]:
+        hashes: list[bytes] = []
         parent = None
         for start in range(0, num_tokens - self.block_size + 1, self.block_size):
             parent = chain_hash(parent, tuple(token_ids[start : start + self.block_size]))

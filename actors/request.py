@@ -47,7 +47,7 @@ class Sequence:
     num_cached_tokens: int | None = None
     block_table: list[int] = field(default_factory=list)
     # Hash chain of this sequence's full blocks, filled as blocks become full.
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     # Another sample of the same request whose prefill this one waits for (n > 1).
     leader: Sequence | None = None
     # Per-request constraint (grammar matcher) consulted before sampling; see grammar_state.

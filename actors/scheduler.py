@@ -148,7 +148,7 @@ class Scheduler:
             num_new = min(wanted, budget)
             if num_new < wanted and not self.config.enable_chunked_prefill:
                 break
-            if not self.block_manager.allocate(seq, num_new, hits):
+            if not self._allocate_reclaiming_held(seq, num_new, hits, out):
                 break
             self.waiting.pop(0)
             seq.num_computed_tokens += num_cached
@@ -161,6 +161,19 @@ class Scheduler:
         for seq in blocked:
             bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
         return budget
+
+    def _allocate_reclaiming_held(
+        self, seq: Sequence, num_new: int, hits: list[int], out: SchedulerOutput
+    ) -> bool:
+        """Held sequences give their blocks up before a waiting one is turned away."""
+        while not self.block_manager.allocate(seq, num_new, hits):
+            victim = next((s for s in self.held.values() if s.block_table), None)
+            if victim is None:
+                return False
+            # Freed hit blocks stay cached (ref count 0), so `hits` remains valid.
+            self._preempt(victim)
+            out.preempted.append(victim)
+        return True
 
     def _pick_victim(self, exclude: set[str]) -> Sequence:
         for seq in self.held.values():
