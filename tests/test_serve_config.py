@@ -30,3 +30,23 @@ def test_serve_config_with_a_bad_field_fails_naming_it(model_dirs):
 
     with pytest.raises(ValidationError, match="max_num_seqs"):
         app_builder({"model": str(model_dirs("llama")), "engine": {"max_num_seqs": 0}})
+
+
+def test_strict_structured_output_refuses_to_start_when_xgrammar_cannot(model_dirs, monkeypatch):
+    import xgrammar as xgr
+
+    from serve_app.app import probe_grammar_backend
+    from serve_app.config import ServeConfig
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("unsupported tokenizer")
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", refuse)
+    model = str(model_dirs("llama"))
+    lenient = probe_grammar_backend(ServeConfig(model=model))
+    assert (
+        lenient["available"] is False and "unsupported tokenizer" in lenient["unavailable_reason"]
+    )
+    strict = ServeConfig(model=model, grammar={"strict_structured_output": True})
+    with pytest.raises(RuntimeError, match="strict_structured_output"):
+        probe_grammar_backend(strict)

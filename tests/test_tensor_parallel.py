@@ -103,3 +103,20 @@ def test_killed_worker_fails_requests_and_leaves_no_placement_group(ray_session,
     llm.shutdown()
     states = {pg["state"] for pg in ray.util.placement_group_table().values()}
     assert states <= {"REMOVED"}
+
+
+def test_tp4_replicates_kv_heads_and_matches_tp1(ray_session, model_dirs):
+    """tiny llama has 2 KV heads: at TP=4 each KV head lives on two ranks."""
+    path = str(model_dirs("llama"))
+    expected = LLM(model=path).generate(PROMPTS, GREEDY)
+    llm = LLM(model=path, tensor_parallel_size=4)
+    try:
+        got = llm.generate(PROMPTS, GREEDY)
+        ranks = llm.engine.executor.shard_info()
+    finally:
+        llm.shutdown()
+    assert [a.token_ids for a in expected] == [b.token_ids for b in got]
+    head_dim = 16
+    for r in ranks:
+        # 1 query head + 1 (replicated) K head + 1 V head per rank.
+        assert r["shapes"]["model.layers.0.self_attn.qkv_proj.weight"] == (3 * head_dim, 64)
