@@ -63,6 +63,9 @@ class ServeConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     admin_port: int = Field(8001, ge=0, le=65535)
+    admin_host: str = "127.0.0.1"
+    # Bearer key for the admin API; required to bind it off loopback.
+    admin_api_key: str | None = None
     api_keys_file: str | None = None
     store: str | None = None
     ray_address: str | None = None
@@ -77,6 +80,11 @@ class ServeConfig(BaseModel):
         if not is_loopback(self.host) and not self.api_keys_file:
             raise ValueError(
                 f"host: refusing to bind {self.host} (not loopback) without api_keys_file"
+            )
+        if not is_loopback(self.admin_host) and not self.admin_api_key:
+            raise ValueError(
+                f"admin_host: refusing to bind {self.admin_host} (not loopback) without "
+                "admin_api_key"
             )
         return self
 

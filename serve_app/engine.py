@@ -14,6 +14,7 @@ from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
 from actors.messages import EngineRequest
 from actors.outputs import RequestOutput
 from actors.platform import describe, resolve_dtype
+from serve_app.admin import StatsReporter
 from serve_app.config import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class EngineService:
         # Built lazily on the first grammar: engines that never see one never pay for it.
         grammar_cache = CompiledGrammarCache(lambda: load_tokenizer_info(config.model))
         self.engine = AsyncEngine(core, grammar_cache.get_constraint)
+        self.replica_id = _replica_id()
+        self.reporter = StatsReporter(config.model_id, self.replica_id, self.stats)
         logger.info(
             "engine replica ready on %s (tp=%d, %d KV blocks)",
             describe(),
@@ -72,11 +75,10 @@ class EngineService:
     def stats(self) -> dict[str, object]:
         import ray
 
-        ctx = ray.get_runtime_context()
         return {
             **self.engine.stats(),
-            "replica": os.environ.get("SERVE_REPLICA_ID", ctx.get_actor_id() or "local"),
-            "node_id": ctx.get_node_id(),
+            "replica": self.replica_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
         }
 
     def check_health(self) -> None:
@@ -85,6 +87,18 @@ class EngineService:
             raise RuntimeError(f"engine unhealthy: {self.engine.core.dead or 'step thread died'}")
 
     def __del__(self) -> None:
+        reporter = getattr(self, "reporter", None)
+        if reporter is not None:
+            reporter.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 (outside Serve: one local engine)
+        return f"local-{os.getpid()}"

@@ -11,9 +11,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve_app import errors
+from serve_app.admin import find_registry
 from serve_app.config import ServeConfig
 from serve_app.openai_api import OpenAIHandlers
 from serve_app.server_info import server_info
+
+DRAIN_CHECK_PERIOD_S = 0.5
 
 
 class Ingress:
@@ -29,8 +32,26 @@ class Ingress:
         self.identity = identity
         self.created = int(time.time())
         self.openai = OpenAIHandlers(
-            config, tokenizer_handle, grammar_handle, engine_handle, identity
+            config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit
         )
+        self._registry = None
+        self._drain_checked_at = 0.0
+        self._draining = False
+
+    async def admit(self) -> None:
+        """Refuse new work while draining (the flag is read at most twice a second)."""
+        now = time.monotonic()
+        if now - self._drain_checked_at > DRAIN_CHECK_PERIOD_S:
+            self._drain_checked_at = now
+            if self._registry is None:
+                self._registry = find_registry(self.config.model_id)
+            if self._registry is not None:
+                self._draining = await self._registry.is_draining.remote()
+        if self._draining:
+            raise errors.overloaded(
+                "The server is draining: in-flight requests finish, new ones go elsewhere.",
+                retry_after_s=5,
+            )
 
     def __serve_build_asgi_app__(self) -> Starlette:
         async def on_api_error(request: Request, exc: Exception) -> Response:

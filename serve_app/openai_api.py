@@ -39,7 +39,9 @@ class Job:
 
 
 class OpenAIHandlers:
-    def __init__(self, config: ServeConfig, tokenizer, grammar, engine, identity: dict):
+    def __init__(
+        self, config: ServeConfig, tokenizer, grammar, engine, identity: dict, admit=None
+    ):
         from transformers import AutoTokenizer
 
         self.config = config
@@ -49,6 +51,8 @@ class OpenAIHandlers:
         self.grammar = grammar
         self.engine = engine.options(stream=True)
         self.texts = TokenTexts(AutoTokenizer.from_pretrained(config.model))
+        # Server-wide admission (draining); runs before any parsing.
+        self.admit = admit
 
     # ------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:
@@ -87,6 +91,8 @@ class OpenAIHandlers:
 
     # ------------------------------------------------------------------ admission
     async def _parse(self, request: Request, kind: str):
+        if self.admit is not None:
+            await self.admit()
         body = await request.body()
         if len(body) > self.config.limits.max_body_bytes:
             raise errors.body_too_large(self.config.limits.max_body_bytes)

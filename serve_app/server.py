@@ -9,9 +9,13 @@ import threading
 import time
 import urllib.request
 
+from serve_app.admin import start_admin
 from serve_app.config import ServeConfig
 
 logger = logging.getLogger(__name__)
+
+# The admin server actor of the running deployment (started and stopped with it).
+_ADMIN = None
 
 
 def wait_healthy(url: str, timeout_s: float) -> None:
@@ -41,7 +45,11 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
             ray.init(address=config.ray_address, log_to_driver=False)
         else:
             ray.init(include_dashboard=False, log_to_driver=False, **(ray_init_kwargs or {}))
+    global _ADMIN
     serve.start(http_options={"host": config.host, "port": config.port})
+    _ADMIN = start_admin(
+        config.model_id, config.admin_host, config.admin_port, config.admin_api_key
+    )
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     url = f"http://{host}:{config.port}"
@@ -53,6 +61,10 @@ def stop() -> None:
     import ray
     from ray import serve
 
+    global _ADMIN
+    if _ADMIN is not None:
+        ray.kill(_ADMIN)
+        _ADMIN = None
     serve.shutdown()
     if ray.is_initialized():
         ray.shutdown()
@@ -60,7 +72,11 @@ def stop() -> None:
 
 def run_forever(config: ServeConfig) -> None:
     url = start(config)
-    print(f"serving {config.model_id} at {url}/v1 (Ctrl-C to stop)", flush=True)
+    print(
+        f"serving {config.model_id} at {url}/v1 (admin: http://{config.admin_host}:"
+        f"{config.admin_port}/admin/v1/stats; Ctrl-C to stop)",
+        flush=True,
+    )
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -65,6 +65,7 @@ def serve_url(ray_session, model_dirs):
     """The whole graph on the tiny llama, served on a free loopback port for the session."""
     from ray import serve
 
+    from serve_app.admin import start_admin
     from serve_app.app import APP_NAME, build_app
     from serve_app.config import ServeConfig
     from serve_app.server import wait_healthy
@@ -72,10 +73,22 @@ def serve_url(ray_session, model_dirs):
     port = free_port()
     config = ServeConfig(model=str(model_dirs("llama")), port=port, admin_port=free_port())
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    admin = start_admin(config.model_id, config.admin_host, config.admin_port, None)
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout_s=180)
+        _SERVED["admin_url"] = f"http://127.0.0.1:{config.admin_port}"
         yield url
     finally:
+        ray_session.kill(admin)
         serve.shutdown()
+
+
+_SERVED: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session")
+def admin_url(serve_url) -> str:
+    """The admin API of the session's served application (its own loopback port)."""
+    return _SERVED["admin_url"]

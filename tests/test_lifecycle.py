@@ -1,0 +1,115 @@
+"""Request lifecycle over HTTP: disconnects cancel and free everything; the admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.serve
+
+IDLE = {"kv_blocks_used": 0, "live_requests": 0, "running": 0, "waiting": 0, "held": 0}
+
+
+def _stream_body(model_id: str, max_tokens: int) -> dict:
+    return {
+        "model": model_id,
+        "prompt": "Once upon a time there was a paged cache",
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+@pytest.fixture(scope="module")
+def model_id(serve_url) -> str:
+    return httpx.get(f"{serve_url}/v1/models").json()["data"][0]["id"]
+
+
+def _idle_totals(admin_url: str) -> dict:
+    total = httpx.get(f"{admin_url}/admin/v1/stats").json()["total"]
+    return {k: total[k] for k in IDLE}
+
+
+def _wait_idle(admin_url: str, within_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < within_s:
+        if _idle_totals(admin_url) == IDLE:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"not back to idle within {within_s}s: {_idle_totals(admin_url)}")
+
+
+def test_admin_stats_per_replica_and_total_and_absent_on_public_port(serve_url, admin_url):
+    stats = httpx.get(f"{admin_url}/admin/v1/stats").json()
+    assert len(stats["replicas"]) == 1
+    replica = stats["replicas"][0]
+    for key in ("kv_blocks_total", "kv_blocks_used", "running", "waiting", "held"):
+        assert replica[key] == stats["total"][key]
+    assert replica["node_id"] and replica["kv_blocks_total"] > 0
+    for method, path in (("GET", "/admin/v1/stats"), ("POST", "/admin/v1/drain")):
+        assert httpx.request(method, f"{serve_url}{path}").status_code == 404
+
+
+def test_half_of_200_streams_disconnect_and_everything_is_released(
+    serve_url, admin_url, model_id
+):
+    max_tokens = 24
+
+    async def client(i: int, http: httpx.AsyncClient) -> dict | None:
+        # The leavers ask for 1000 tokens: were they not cancelled, the engine would still
+        # be busy with them long after the 2 s below.
+        disconnect = i % 2 == 0
+        body = _stream_body(model_id, 1000 if disconnect else max_tokens)
+        chunks = 0
+        last = None
+        async with http.stream("POST", f"{serve_url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunks += 1
+                last = json.loads(line[6:])
+                if disconnect and chunks == 3:
+                    return None  # leaving the block closes the connection mid-stream
+        return last
+
+    async def run_all() -> list:
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            return await asyncio.gather(*(client(i, http) for i in range(200)))
+
+    results = asyncio.run(run_all())
+    finished = [r for r in results if r is not None]
+    assert len(finished) == 100
+    for usage_chunk in finished:
+        assert usage_chunk["choices"] == []
+        assert usage_chunk["usage"]["completion_tokens"] == max_tokens
+    # Everything the disconnected half held (KV blocks, queues, live requests) is released.
+    _wait_idle(admin_url, within_s=2.0)
+    after = httpx.post(
+        f"{serve_url}/v1/completions",
+        json={"model": model_id, "prompt": "again", "max_tokens": 4, "ignore_eos": True},
+        timeout=60,
+    )
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+
+
+def test_drain_refuses_new_requests_until_lifted(serve_url, admin_url, model_id):
+    body = {"model": model_id, "prompt": "x", "max_tokens": 2}
+    try:
+        assert httpx.post(f"{admin_url}/admin/v1/drain").json()["draining"] is True
+        time.sleep(0.6)  # the ingress reads the flag at most twice a second
+        r = httpx.post(f"{serve_url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+        assert int(r.headers["retry-after"]) >= 1
+    finally:
+        lifted = httpx.post(f"{admin_url}/admin/v1/drain", json={"draining": False}).json()
+        assert lifted["draining"] is False
+    time.sleep(0.6)
+    assert httpx.post(f"{serve_url}/v1/completions", json=body, timeout=30).status_code == 200
