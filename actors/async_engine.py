@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from actors.deadlines import RequestRejected
 from actors.engine_core import EngineCore
 from actors.executor import ExecutorError
 from actors.outputs import RequestOutput
@@ -55,6 +56,7 @@ class AsyncEngine:
         params: SamplingParams,
         grammar: Awaitable[object] | None = None,
         priority: int = 0,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iterator early aborts the request."""
         if self.core.dead is not None:
@@ -70,11 +72,17 @@ class AsyncEngine:
         def add(core: EngineCore) -> None:
             try:
                 core.add_request(
-                    request_id, prompt_token_ids, params, priority, awaiting_constraint=awaiting
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    priority,
+                    awaiting_constraint=awaiting,
+                    timeout_s=timeout_s,
                 )
             except Exception as exc:  # noqa: BLE001 (reported to this request's stream)
+                code = exc.code if isinstance(exc, RequestRejected) else "internal_error"
                 failed = RequestOutput(request_id, prompt_token_ids, [], 0, True, error=str(exc))
-                failed.error_code = "internal_error"
+                failed.error_code = code
                 self._post([failed])
 
         self._submit(add)

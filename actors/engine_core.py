@@ -7,11 +7,13 @@ queue (the Serve engine deployment owns that loop).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
 from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from actors.deadlines import CostModel, DeadlineTracker, RequestRejected
 from actors.detokenizer import IncrementalDetokenizer
 from actors.executor import ExecutorError, make_executor
 from actors.grammar_state import allocate_bitmask
@@ -74,6 +76,9 @@ class EngineCore:
         self._finished_seq_ids: list[str] = []
         self._aborted_outputs: list[RequestOutput] = []
         self.num_steps = 0
+        self.num_requests = 0
+        self.cost = CostModel()
+        self.deadlines = DeadlineTracker()
         # Set once a worker failed: the engine then refuses work and reports unhealthy.
         self.dead: str | None = None
 
@@ -99,6 +104,7 @@ class EngineCore:
         priority: int = 0,
         constraints: list[object] | None = None,
         awaiting_constraint: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
         """Queue a request. With `awaiting_constraint`, prefill may start before the grammar
         is ready; `set_constraints` releases the first sample."""
@@ -116,6 +122,8 @@ class EngineCore:
                 f"({params.max_tokens}) needs {needed} KV blocks; the cache has "
                 f"{self.block_manager.num_blocks}"
             )
+        if timeout_s is not None:
+            self._veto_hopeless(len(prompt_token_ids), timeout_s)
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(
@@ -140,6 +148,28 @@ class EngineCore:
             IncrementalDetokenizer(self.tokenizer, len(prompt_token_ids), params) for _ in seqs
         ]
         self.requests[request_id] = _RequestState(request_id, seqs, detoks)
+        self.deadlines.add(request_id, timeout_s)
+        self.num_requests += 1
+
+    def _veto_hopeless(self, num_prompt_tokens: int, timeout_s: float) -> None:
+        """Refuse before prefill what the measured cost model says cannot make its deadline."""
+        alone = self.cost.time_to_first_token(0, num_prompt_tokens)
+        if alone > timeout_s:
+            raise RequestRejected(
+                "deadline_too_short",
+                f"timeout: {timeout_s:.3f}s is below the ~{alone:.3f}s this prompt needs "
+                "even on an idle server",
+            )
+        ahead = sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
+        ahead += sum(s.num_uncomputed_tokens - 1 for s in self.scheduler.running)
+        estimate = self.cost.time_to_first_token(ahead, num_prompt_tokens)
+        if estimate > timeout_s:
+            raise RequestRejected(
+                "deadline_unmeetable",
+                f"timeout: the queue ({ahead} tokens ahead) puts the first token at "
+                f"~{estimate:.3f}s, past the {timeout_s:.3f}s deadline",
+                retry_after_s=max(1.0, estimate - timeout_s),
+            )
 
     def set_constraints(self, request_id: str, constraints: list[object]) -> None:
         for seq in self._seqs_of(request_id):
@@ -157,6 +187,7 @@ class EngineCore:
         state = self.requests.pop(request_id, None)
         if state is None:
             return
+        self.deadlines.discard(request_id)
         self._aborted_outputs.append(self._end(state, reason, error, error_code))
 
     def _end(
@@ -199,17 +230,20 @@ class EngineCore:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        self._expire_deadlines()
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
         step_input = self._build_step_input(sched)
+        started = time.perf_counter()
         try:
             result = self.executor.execute(step_input)
         except ExecutorError as exc:
             logger.error("engine step failed; failing %d requests: %s", len(self.requests), exc)
             return outputs + self.fail_all(str(exc))
         self.num_steps += 1
+        self.cost.observe(time.perf_counter() - started, sched.num_batched_tokens)
         self.scheduler.on_step_done(sched)
         return outputs + self._postprocess(sched, result)
 
@@ -241,6 +275,19 @@ class EngineCore:
             sampled[row].constraint.fill_bitmask(bitmask, row)
         step.bitmask, step.bitmask_rows = bitmask, rows
 
+    def _expire_deadlines(self) -> None:
+        """A request past its deadline ends: `timeout` once it produced output, else it was
+        never going to start in time (`deadline_unmeetable`)."""
+        for request_id in self.deadlines.expired():
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            if any(s.num_output_tokens for s in state.seqs):
+                self.abort(request_id, FinishReason.TIMEOUT)
+            else:
+                message = "the deadline passed while the request was queued"
+                self.abort(request_id, FinishReason.ERROR, message, "deadline_unmeetable")
+
     def _postprocess(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         touched: dict[str, _RequestState] = {}
         sampled = [s.seq for s in sched.scheduled if s.will_sample]
@@ -264,6 +311,7 @@ class EngineCore:
             )
             if state.finished:
                 self.requests.pop(state.request_id, None)
+                self.deadlines.discard(state.request_id)
         return outputs
 
     def _advance(self, state: _RequestState, seq: Sequence, token: int, logprobs) -> None:
@@ -295,6 +343,7 @@ class EngineCore:
             for state in self.requests.values()
         ]
         self.requests.clear()
+        self.deadlines.deadlines.clear()
         return outputs
 
     def is_healthy(self) -> bool:
@@ -307,7 +356,11 @@ class EngineCore:
 
     # ---------------------------------------------------------------- lifecycle
     def stats(self) -> dict[str, int]:
-        return {**self.scheduler.stats(), "live_requests": len(self.requests)}
+        return {
+            **self.scheduler.stats(),
+            "live_requests": len(self.requests),
+            "requests_total": self.num_requests,
+        }
 
     def shutdown(self) -> None:
         self.executor.shutdown()

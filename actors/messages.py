@@ -72,3 +72,5 @@ class EngineRequest:
     # does not resolve it before the call: prefill overlaps compilation.
     grammar: list[object] | None = None
     priority: int = 0
+    # The client's deadline, relative to when the engine receives the request.
+    timeout_s: float | None = None

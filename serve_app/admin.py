@@ -136,7 +136,7 @@ def build_admin_app(registry, api_key: str | None):
             try:
                 draining = bool(json.loads(body).get("draining", True))
             except (ValueError, AttributeError):
-                raise errors.invalid_request("body must be {\"draining\": bool}") from None
+                raise errors.invalid_request('body must be {"draining": bool}') from None
         await registry.set_draining.remote(draining)
         return JSONResponse(await registry.snapshot.remote())
 

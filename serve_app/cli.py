@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_make_model(subparsers)
     _add_serve(subparsers)
+    _add_batch(subparsers)
     return parser
 
 
@@ -157,6 +158,78 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serve_app.server import run_forever
 
     run_forever(config)
+    return 0
+
+
+# ---------------------------------------------------------------- batch
+
+
+def _add_batch(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "batch",
+        help="run a Parquet batch job on Ray Data",
+        description="Generate for every row of the input Parquet files (columns: id, one of "
+        "prompt / prompt_token_ids / messages, optional max_tokens, temperature, top_p, seed, "
+        "stop, response_format, ...) and write one output row per input id to OUTPUT_DIR.",
+    )
+    parser.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="Parquet file(s), directories or globs"
+    )
+    parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="where result files go")
+    parser.add_argument("--model", metavar="DIR", required=True, help="local checkpoint")
+    parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size")
+    parser.add_argument("--concurrency", type=int, default=1, metavar="N", help="engine actors")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows already in OUTPUT_DIR (except transient failures) and run the rest",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=256, metavar="N", help="rows per engine call"
+    )
+    parser.add_argument(
+        "--cpus-per-engine", type=int, default=1, metavar="N", help="CPUs (torch threads) per actor"
+    )
+    parser.add_argument("--max-tokens", type=int, default=256, metavar="N", help="default cap")
+    parser.add_argument("--temperature", type=float, default=1.0, metavar="T")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    parser.add_argument("--seed", type=int, default=None, metavar="N")
+    parser.add_argument(
+        "--stop", action="append", default=[], metavar="S", help="stop string (repeatable)"
+    )
+    parser.add_argument("--served-model-name", metavar="NAME", help="the output's model column")
+    parser.add_argument(
+        "--address", metavar="ADDR", help="join a running Ray cluster (auto, ray://..., HOST:PORT)"
+    )
+    parser.set_defaults(handler=cmd_batch)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from serve_app.batch import BatchDefaults, BatchInputError, run_batch
+
+    try:
+        defaults = BatchDefaults(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+        run_batch(
+            args.inputs,
+            args.output_dir,
+            model=args.model,
+            tp=args.tp,
+            concurrency=args.concurrency,
+            resume=args.resume,
+            defaults=defaults,
+            batch_size=args.batch_size,
+            cpus_per_engine=args.cpus_per_engine,
+            model_name=args.served_model_name,
+            address=args.address,
+        )
+    except (BatchInputError, ValueError) as exc:
+        return _fail("batch", str(exc))
     return 0
 
 

@@ -69,6 +69,7 @@ class EngineService:
             request.params,
             grammar=grammar,
             priority=request.priority,
+            timeout_s=request.timeout_s,
         ):
             yield out
 

@@ -26,6 +26,25 @@ from serve_app.token_text import TokenTexts
 logger = logging.getLogger(__name__)
 
 
+TIMEOUT_HEADER = "x-request-timeout-ms"
+
+
+def client_timeout_s(request: Request, req) -> float | None:
+    """The client's deadline: the `X-Request-Timeout-Ms` header or the `timeout` field
+    (seconds); the stricter one wins when both are given."""
+    candidates = [req.timeout] if req.timeout else []
+    header = request.headers.get(TIMEOUT_HEADER)
+    if header is not None:
+        try:
+            ms = float(header)
+        except ValueError:
+            raise errors.invalid_request(f"{TIMEOUT_HEADER} must be a number", "timeout") from None
+        if not ms > 0:
+            raise errors.invalid_request(f"{TIMEOUT_HEADER} must be > 0", "timeout")
+        candidates.append(ms / 1000.0)
+    return min(candidates) if candidates else None
+
+
 @dataclass
 class Job:
     """An admitted request: one engine request per prompt, all validated."""
@@ -39,9 +58,7 @@ class Job:
 
 
 class OpenAIHandlers:
-    def __init__(
-        self, config: ServeConfig, tokenizer, grammar, engine, identity: dict, admit=None
-    ):
+    def __init__(self, config: ServeConfig, tokenizer, grammar, engine, identity: dict, admit=None):
         from transformers import AutoTokenizer
 
         self.config = config
@@ -64,7 +81,9 @@ class OpenAIHandlers:
             continue_final_message=bool(req.continue_final_message),
             chat_template_kwargs=req.chat_template_kwargs,
         )
-        job = await self._admit(req, [prompt_ids], "messages", chat=True, echo=[""])
+        job = await self._admit(
+            req, [prompt_ids], "messages", chat=True, echo=[""], request=request
+        )
         return await self._respond(job, request)
 
     async def completions(self, request: Request) -> Response:
@@ -86,7 +105,7 @@ class OpenAIHandlers:
             (p if isinstance(p, str) else self.texts.tokenizer.decode(p)) if req.echo else ""
             for p in prompts
         ]
-        job = await self._admit(req, ids_list, "prompt", chat=False, echo=echo)
+        job = await self._admit(req, ids_list, "prompt", chat=False, echo=echo, request=request)
         return await self._respond(job, request)
 
     # ------------------------------------------------------------------ admission
@@ -104,7 +123,14 @@ class OpenAIHandlers:
         return req
 
     async def _admit(
-        self, req, prompts: list[list[int]], prompt_param: str, *, chat: bool, echo: list[str]
+        self,
+        req,
+        prompts: list[list[int]],
+        prompt_param: str,
+        *,
+        chat: bool,
+        echo: list[str],
+        request: Request,
     ) -> Job:
         limit = self.max_model_len
         requested = req.requested_max_tokens()
@@ -141,10 +167,13 @@ class OpenAIHandlers:
             texts=self.texts,
             want_logprobs=params.logprobs is not None,
         )
+        timeout_s = client_timeout_s(request, req)
         engine_requests = [
-            EngineRequest(uuid.uuid4().hex, ids, params, grammar=grammar) for ids in prompts
+            EngineRequest(uuid.uuid4().hex, ids, params, grammar=grammar, timeout_s=timeout_s)
+            for ids in prompts
         ]
-        deadline = time.monotonic() + req.timeout if req.timeout else None
+        # The engine enforces the deadline; this one only guards against a lost engine.
+        deadline = time.monotonic() + timeout_s + 5.0 if timeout_s else None
         return Job(req, formatter, engine_requests, echo, params.n, deadline)
 
     async def _start_grammar(self, req) -> list[object] | None:
@@ -195,6 +224,10 @@ class OpenAIHandlers:
             raise errors.internal_error("The engine is unavailable.", retryable=True) from exc
         if out.error_code == "invalid_grammar":
             raise errors.invalid_grammar(out.error or "grammar failed", job.req.grammar_param())
+        if out.error_code == "deadline_too_short":
+            raise errors.deadline_too_short(out.error or "deadline too short")
+        if out.error_code == "deadline_unmeetable":
+            raise errors.deadline_unmeetable(out.error or "queue too long", retry_after_s=1.0)
         if out.error is not None:
             raise errors.internal_error(f"The engine failed: {out.error}", retryable=True)
         return out

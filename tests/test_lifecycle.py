@@ -56,9 +56,7 @@ def test_admin_stats_per_replica_and_total_and_absent_on_public_port(serve_url, 
         assert httpx.request(method, f"{serve_url}{path}").status_code == 404
 
 
-def test_half_of_200_streams_disconnect_and_everything_is_released(
-    serve_url, admin_url, model_id
-):
+def test_half_of_200_streams_disconnect_and_everything_is_released(serve_url, admin_url, model_id):
     max_tokens = 24
 
     async def client(i: int, http: httpx.AsyncClient) -> dict | None:

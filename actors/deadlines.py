@@ -1,0 +1,65 @@
+"""Client deadlines: a measured cost model to veto hopeless requests before prefill, and a
+tracker that ends requests whose deadline passes while they wait or run."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+class RequestRejected(ValueError):
+    """Refused at admission for a reason the client can act on (`code` names it)."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class CostModel:
+    """Step time ~ overhead + tokens x per-token cost, each an exponential moving average of
+    measured steps: prefill-heavy steps teach the per-token cost, near-empty steps the
+    overhead. Unmeasured values are zero, so a fresh engine vetoes nothing."""
+
+    smoothing: float = 0.2
+    seconds_per_token: float = 0.0
+    seconds_per_step: float = 0.0
+    # Steps with at least this many tokens measure the per-token cost; at most
+    # `small_step_tokens`, the fixed overhead of a step.
+    large_step_tokens: int = 64
+    small_step_tokens: int = 8
+
+    def observe(self, seconds: float, num_tokens: int) -> None:
+        if num_tokens >= self.large_step_tokens:
+            self.seconds_per_token = self._ema(self.seconds_per_token, seconds / num_tokens)
+        elif num_tokens <= self.small_step_tokens:
+            self.seconds_per_step = self._ema(self.seconds_per_step, seconds)
+
+    def _ema(self, old: float, new: float) -> float:
+        return new if old == 0.0 else old + self.smoothing * (new - old)
+
+    def time_to_first_token(self, tokens_ahead: int, own_tokens: int) -> float:
+        """Queue and own prefill at the measured rate, plus the step that samples."""
+        return (tokens_ahead + own_tokens) * self.seconds_per_token + self.seconds_per_step
+
+
+@dataclass
+class DeadlineTracker:
+    deadlines: dict[str, float] = field(default_factory=dict)
+
+    def add(self, request_id: str, timeout_s: float | None) -> None:
+        if timeout_s is not None:
+            self.deadlines[request_id] = time.monotonic() + timeout_s
+
+    def discard(self, request_id: str) -> None:
+        self.deadlines.pop(request_id, None)
+
+    def expired(self) -> list[str]:
+        if not self.deadlines:
+            return []
+        now = time.monotonic()
+        gone = [rid for rid, deadline in self.deadlines.items() if deadline <= now]
+        for rid in gone:
+            del self.deadlines[rid]
+        return gone
