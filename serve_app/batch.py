@@ -108,17 +108,14 @@ def run_batch(
     `resume`) raise BatchInputError before any work. Bad rows do not: they become `failed`
     output rows with an error code, and the job goes on.
     """
-    for name, value in (("tp", tp), ("concurrency", concurrency), ("batch_size", batch_size),
-                        ("cpus_per_engine", cpus_per_engine)):  # fmt: skip
+    sizes = {"tp": tp, "concurrency": concurrency, "batch_size": batch_size}
+    for name, value in {**sizes, "cpus_per_engine": cpus_per_engine}.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
-    model = str(model)
-    if "://" not in model:
-        model = str(Path(model).resolve())
-        if not (Path(model) / "config.json").is_file():
-            raise BatchInputError(f"model: {model} has no config.json")
     files = resolve_input(input)
     ids = read_input_ids(files)
+    model = str(Path(model).resolve())  # absolute: the actors' working directory differs
+    _check_model(model, tp)
     out = OutputDir.open(output_dir)
     plan = _plan(out, ids, resume)
     before = set(out.result_files())
@@ -147,6 +144,21 @@ def run_batch(
     summary = _summarize(out, ids, before, len(plan.done), elapsed)
     print(summary, flush=True)
     return summary
+
+
+def _check_model(model: str, tp: int) -> None:
+    """Fail here, naming the problem, rather than in every engine actor's constructor."""
+    import torch
+
+    from actors.config import ModelConfig, check_tensor_parallel
+
+    if not (Path(model) / "config.json").is_file():
+        raise BatchInputError(f"model: {model} has no config.json")
+    try:
+        config = ModelConfig.from_pretrained(model, dtype=torch.float32)
+    except (KeyError, ValueError) as exc:
+        raise BatchInputError(f"model: {model}: {exc}") from None
+    check_tensor_parallel(config, tp)
 
 
 def _plan(out: OutputDir, ids: pa.Array, resume: bool) -> _Plan:
@@ -207,6 +219,14 @@ def _execute(
 
     from serve_app.batch_engine import BatchEngine
 
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    if nodes > 1 and "://" not in out.uri:
+        logger.warning(
+            "%s is a local path on a %d-node cluster: every node reads the input and writes "
+            "results under it, so it must be shared storage (NFS), or use s3://...",
+            out.uri,
+            nodes,
+        )
     ds = ray.data.read_parquet(files.paths, filesystem=files.filesystem)
     if plan.done or plan.attempts:
         ds = ds.map_batches(

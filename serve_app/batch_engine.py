@@ -178,7 +178,7 @@ class BatchEngine:
             prompt_tokens=state.num_prompt_tokens,
             completion_tokens=len(state.token_ids),
         )
-        if status == "failed":  # abort/timeout: not asked for here, so not the row's fault
+        if status == "failed":  # batch rows carry no deadline and are never aborted
             out.update(error_code="engine_error", error_message=f"generation ended: {reason}")
         return out
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -71,25 +70,51 @@ class InputFiles:
 
 
 def resolve_input(source: InputSource) -> InputFiles:
-    """A file, a directory, a local glob, or a list of them; URIs (s3://...) as pyarrow reads."""
+    """A file, a directory (its `*.parquet` files, recursively), a local glob, or a list of
+    them; URIs (s3://...) as pyarrow reads them. Lists names only: nothing is read yet."""
     items = [source] if isinstance(source, str | os.PathLike) else list(source)
-    expanded: list[str] = []
+    paths: list[str] = []
+    filesystem: pafs.FileSystem | None = None
     for item in map(str, items):
         if "://" not in item and glob.has_magic(item):
             matches = sorted(glob.glob(item))
             if not matches:
                 raise BatchInputError(f"input: no file matches {item!r}")
-            expanded.extend(str(Path(m).resolve()) for m in matches)
         else:
-            # Absolute, so Ray workers (whatever their working directory) find the files.
-            expanded.append(item if "://" in item else str(Path(item).resolve()))
-    try:
-        dataset = pads.dataset(expanded, format="parquet")
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise BatchInputError(f"input: {exc}") from None
-    if not dataset.files:
-        raise BatchInputError(f"input: no Parquet files in {', '.join(expanded)}")
-    return InputFiles(list(dataset.files), dataset.filesystem)
+            matches = [item]
+        for match in matches:
+            fs, files = _list_parquet(match)
+            if filesystem is None:
+                filesystem = fs
+            elif fs.type_name != filesystem.type_name:
+                raise BatchInputError("input: every path must be on the same filesystem")
+            paths.extend(files)
+    if not paths or filesystem is None:
+        raise BatchInputError(f"input: no Parquet files in {', '.join(map(str, items))}")
+    return InputFiles(list(dict.fromkeys(paths)), filesystem)
+
+
+def _list_parquet(location: str) -> tuple[pafs.FileSystem, list[str]]:
+    if "://" in location:
+        fs, path = pafs.FileSystem.from_uri(location)
+    else:
+        # Absolute, so Ray workers (whatever their working directory) find the files.
+        fs, path = pafs.LocalFileSystem(), str(Path(location).resolve())
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return fs, [path]
+    if info.type != pafs.FileType.Directory:
+        raise BatchInputError(f"input: no such file or directory: {location}")
+    found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    files = sorted(
+        f.path
+        for f in found
+        if f.type == pafs.FileType.File
+        and f.base_name.endswith((".parquet", ".parq"))
+        # Hidden and "_"-prefixed names are writers' temporaries and markers, not data.
+        and not any(part.startswith(_HIDDEN_PREFIXES) for part in f.path[len(path) :].split("/"))
+    )
+    return fs, files
 
 
 def read_input_ids(files: InputFiles) -> pa.Array:

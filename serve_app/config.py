@@ -69,6 +69,8 @@ class ServeConfig(BaseModel):
     api_keys_file: str | None = None
     store: str | None = None
     ray_address: str | None = None
+    # How long a completed request's result is kept for replay under its X-Request-Id.
+    request_id_retention_s: float = Field(600.0, ge=0)
     engine: EngineOptions = EngineOptions()
     grammar: GrammarOptions = GrammarOptions()
     limits: LimitOptions = LimitOptions()

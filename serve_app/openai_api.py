@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,8 @@ from serve_app import errors
 from serve_app.config import ServeConfig
 from serve_app.openai_format import ChoiceState, Formatter
 from serve_app.protocol import Usage, new_id, parse_request
+from serve_app.request_ids import HEADER as REQUEST_ID_HEADER
+from serve_app.request_ids import RequestIds
 from serve_app.streaming import StreamState
 from serve_app.token_text import TokenTexts
 
@@ -27,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
+# Until API keys name tenants, every caller shares one identity namespace.
+DEFAULT_TENANT = "default"
 
 
 def client_timeout_s(request: Request, req) -> float | None:
@@ -55,6 +59,8 @@ class Job:
     echo: list[str]
     n: int
     deadline: float | None
+    # Records the terminal (non-streamed) body before the terminal event is sent.
+    on_complete: Callable[[dict], None] | None = None
 
 
 class OpenAIHandlers:
@@ -70,10 +76,33 @@ class OpenAIHandlers:
         self.texts = TokenTexts(AutoTokenizer.from_pretrained(config.model))
         # Server-wide admission (draining); runs before any parsing.
         self.admit = admit
+        self.request_ids = RequestIds(config.request_id_retention_s)
 
     # ------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:
-        req = await self._parse(request, "chat")
+        return await self._identified(request, "chat", self._chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._identified(request, "completion", self._completions)
+
+    async def _identified(self, request: Request, kind: str, handler) -> Response:
+        """Admission, then the request-id guard around the endpoint's own work."""
+        if self.admit is not None:
+            await self.admit()
+        body = await request.body()
+        if len(body) > self.config.limits.max_body_bytes:
+            raise errors.body_too_large(self.config.limits.max_body_bytes)
+        req = self._parse(body, kind)
+        return await self.request_ids.guard(
+            request.headers.get(REQUEST_ID_HEADER),
+            DEFAULT_TENANT,
+            body,
+            bool(req.stream),
+            req.include_usage,
+            lambda record: handler(req, request, record),
+        )
+
+    async def _chat(self, req, request: Request, record) -> Response:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         prompt_ids = await self.tokenizer.render_chat.remote(
             messages,
@@ -84,10 +113,10 @@ class OpenAIHandlers:
         job = await self._admit(
             req, [prompt_ids], "messages", chat=True, echo=[""], request=request
         )
+        job.on_complete = record
         return await self._respond(job, request)
 
-    async def completions(self, request: Request) -> Response:
-        req = await self._parse(request, "completion")
+    async def _completions(self, req, request: Request, record) -> Response:
         prompts = req.prompts()
         if len(prompts) > self.config.limits.max_prompts_per_request:
             raise errors.invalid_request(
@@ -106,15 +135,11 @@ class OpenAIHandlers:
             for p in prompts
         ]
         job = await self._admit(req, ids_list, "prompt", chat=False, echo=echo, request=request)
+        job.on_complete = record
         return await self._respond(job, request)
 
     # ------------------------------------------------------------------ admission
-    async def _parse(self, request: Request, kind: str):
-        if self.admit is not None:
-            await self.admit()
-        body = await request.body()
-        if len(body) > self.config.limits.max_body_bytes:
-            raise errors.body_too_large(self.config.limits.max_body_bytes)
+    def _parse(self, body: bytes, kind: str):
         req = parse_request(kind, body)
         if req.model != self.config.model_id:
             raise errors.not_found(
@@ -206,11 +231,7 @@ class OpenAIHandlers:
             raise
         merged = self._merge(streams, firsts, job)
         if job.req.stream:
-            return StreamingResponse(
-                self._sse(merged, job),
-                media_type="text/event-stream",
-                headers={"x-request-id": job.formatter.response_id},
-            )
+            return StreamingResponse(self._sse(merged, job), media_type="text/event-stream")
         return await self._collect(merged, job)
 
     async def _first(self, gen, job: Job, prompt_idx: int) -> RequestOutput:
@@ -288,10 +309,10 @@ class OpenAIHandlers:
             for d in out.deltas:
                 choices[i * job.n + d.index].add(d)
         usage = self._usage(job, choices, cached)
-        return JSONResponse(
-            job.formatter.body(choices, usage, self._echo(job)),
-            headers={"x-request-id": job.formatter.response_id},
-        )
+        body = job.formatter.body(choices, usage, self._echo(job))
+        if job.on_complete is not None:
+            job.on_complete(body)
+        return JSONResponse(body)
 
     def _echo(self, job: Job) -> list[str]:
         return [job.echo[c // job.n] for c in range(len(job.engine_requests) * job.n)]
@@ -336,8 +357,11 @@ class OpenAIHandlers:
                         )
                     if c.finish_reason is not None:
                         yield state.frame_chunk(fmt.finish_chunk(c))
+            usage = self._usage(job, choices, cached)
+            if job.on_complete is not None and all(c.finish_reason for c in choices):
+                job.on_complete(fmt.body(choices, usage, echo))
             if job.req.include_usage:
-                yield state.frame_chunk(fmt.usage_chunk(self._usage(job, choices, cached)))
+                yield state.frame_chunk(fmt.usage_chunk(usage))
             yield state.frame_done()
         except asyncio.CancelledError:
             raise

@@ -1,7 +1,7 @@
 """`serve-app batch` over Parquet: one output row per input id, bad rows fail alone, greedy text
-matches the offline LLM, structured rows validate, resume neither loses nor repeats work, and
-TP=2 answers as TP=1 does. The Ray tests share two pipeline runs (half, then all with
---resume) through a module fixture; input checks and the output bookkeeping need no Ray."""
+matches the offline LLM at TP=1 and TP=2, structured rows validate, and resume neither loses
+nor repeats work. The Ray tests share two pipeline runs (half at TP=1, then all with --resume at
+TP=2) through a module fixture; input checks and the output bookkeeping need no Ray."""
 
 from __future__ import annotations
 
@@ -95,19 +95,23 @@ def model(model_dirs) -> str:
 
 @pytest.fixture(scope="module")
 def job(ray_session, model, tmp_path_factory) -> dict:
-    """Run the first half with the API, mark one row as a transient failure and drop a
-    truncated file beside the results (a killed job's leftovers), then run everything with
-    the CLI and --resume under different defaults."""
+    """Run the first half with the API (TP=1), mark one row as a transient failure and drop
+    a truncated file beside the results (a killed job's leftovers), then run everything with
+    the CLI (the input directory this time), --resume, --tp 2 and different defaults."""
     root = tmp_path_factory.mktemp("batch")
-    first = _write(root / "prompts.parquet", PROMPT_ROWS)
-    second = _write(root / "tokens.parquet", TOKEN_ROWS)
+    (root / "in" / "more").mkdir(parents=True)
+    first = _write(root / "in" / "prompts.parquet", PROMPT_ROWS)
+    _write(root / "in" / "more" / "tokens.parquet", TOKEN_ROWS)
+    (root / "in" / "_SUCCESS").write_text("")  # a writer's marker, not data
     out = root / "out"
     summary = run_batch(
         first, out, model=model, defaults=BatchDefaults(max_tokens=FIRST_MAX_TOKENS, temperature=0)
     )
     before = _read(out)
-    files_before = {p.name: p.read_bytes() for p in out.glob("*.parquet")}
-    (path,) = list(out.glob("*.parquet"))
+    files_before = {p.name for p in out.glob("*.parquet")}
+    (path,) = [
+        p for p in out.glob("*.parquet") if TRANSIENT_ID in pq.read_table(p)["id"].to_pylist()
+    ]
     table = pq.read_table(path)
     marked = [
         {**r, "status": "failed", "error_code": "engine_error", "text": None}
@@ -118,8 +122,8 @@ def job(ray_session, model, tmp_path_factory) -> dict:
     pq.write_table(pa.Table.from_pylist(marked, schema=OUTPUT_SCHEMA), path)
     (out / "cut-short.parquet").write_bytes(b"PAR1 truncated by a kill")
     code = main(
-        ["batch", str(first), str(second), str(out), "--model", model, "--resume",
-         "--temperature", "0", "--max-tokens", str(SECOND_MAX_TOKENS)]
+        ["batch", str(root / "in"), str(out), "--model", model, "--resume",
+         "--tp", "2", "--temperature", "0", "--max-tokens", str(SECOND_MAX_TOKENS)]
     )  # fmt: skip
     assert code == 0
     return {
@@ -158,7 +162,9 @@ def test_one_row_per_input_id_with_statuses_and_identity(job, model):
 
 
 @pytest.mark.ray
-def test_text_matches_the_offline_llm(job, model):
+def test_text_matches_the_offline_llm_at_tp1_and_tp2(job, model):
+    """Rows of the first run come from TP=1 engines, rows of the resumed run (the second half
+    and the re-run transient failure) from TP=2: both must match the in-process TP=1 LLM."""
     from transformers import AutoTokenizer
 
     from actors import LLM, SamplingParams
@@ -225,24 +231,10 @@ def test_resume_keeps_final_rows_and_reruns_only_transient_failures(job):
 
 @pytest.mark.ray
 def test_resume_of_a_finished_job_runs_nothing(job, model):
-    inputs = [job["root"] / "prompts.parquet", job["root"] / "tokens.parquet"]
+    inputs = [job["root"] / "in" / "prompts.parquet", job["root"] / "in" / "more"]
     summary = run_batch(inputs, job["out"], model=model, resume=True)
     assert summary.num_run == 0 and summary.num_kept == summary.num_rows
     assert _read(job["out"]) == job["after"]
-
-
-@pytest.mark.ray
-def test_tp2_gives_the_tp1_greedy_text(job, model):
-    rows = [r for r in TOKEN_ROWS if r["id"] not in EXPECTED_FAILURES]
-    inp = _write(job["root"] / "tp2.parquet", rows)
-    out = job["root"] / "out-tp2"
-    defaults = BatchDefaults(max_tokens=SECOND_MAX_TOKENS, temperature=0)
-    summary = run_batch(inp, out, model=model, tp=2, defaults=defaults)
-    assert summary.num_rows == len(rows)
-    tp2 = _read(out)
-    for row in rows:
-        assert tp2[row["id"]]["token_ids"] == job["after"][row["id"]]["token_ids"]
-        assert tp2[row["id"]]["text"] == job["after"][row["id"]]["text"]
 
 
 # ------------------------------------------------------------ checks before any work
@@ -251,7 +243,6 @@ def test_tp2_gives_the_tp1_greedy_text(job, model):
 def test_duplicate_ids_are_refused_before_any_work(tmp_path, capsys):
     ids = ["x", "y", "x", "z", "z", "w"]
     inp = _write(tmp_path / "dup.parquet", [{"id": i, "prompt": "hi"} for i in ids])
-    (tmp_path / "config.json").write_text("{}")  # checked first; never loaded here
     with pytest.raises(BatchInputError, match=r"duplicate ids.*'x'.*'z'"):
         run_batch(inp, tmp_path / "out", model=str(tmp_path))
     assert not (tmp_path / "out").exists()
@@ -271,21 +262,19 @@ def test_duplicate_ids_are_refused_before_any_work(tmp_path, capsys):
     ],
 )
 def test_bad_input_files_fail_with_a_clear_error(tmp_path, rows, message):
-    (tmp_path / "config.json").write_text("{}")
     inp = _write(tmp_path / "in.parquet", rows)
     with pytest.raises(BatchInputError, match=message):
         run_batch(inp, tmp_path / "out", model=str(tmp_path))
 
 
-def test_results_without_resume_are_not_overwritten(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
+def test_results_without_resume_are_not_overwritten(tmp_path, model):
     inp = _write(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])
     out = tmp_path / "out"
     out.mkdir()
     row = {"id": "a", "status": "completed", "text": "x", "attempt": 1}
     pq.write_table(pa.Table.from_pylist([row], schema=OUTPUT_SCHEMA), out / "part.parquet")
     with pytest.raises(BatchInputError, match="--resume"):
-        run_batch(inp, out, model=str(tmp_path))
+        run_batch(inp, out, model=model)
 
 
 # ------------------------------------------------------------- output bookkeeping
@@ -312,6 +301,45 @@ def test_compaction_keeps_the_latest_attempt_of_each_id(tmp_path):
     assert texts == {"x": "x@2", "y": "y@1"}
     assert not (tmp_path / "c.parquet").exists()
     assert compact(out) == 0 and set(scan_results(out)) == {"x", "y"}
+
+
+def test_model_problems_fail_before_any_work(tmp_path, model):
+    inp = _write(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])
+    with pytest.raises(BatchInputError, match="no config.json"):
+        run_batch(inp, tmp_path / "out", model=str(tmp_path))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) does not divide"):
+        run_batch(inp, tmp_path / "out", model=model, tp=3)
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------- the engine callable
+
+
+def test_an_engine_failure_fails_its_rows_as_transient_and_the_next_batch_recovers(
+    model, monkeypatch
+):
+    from actors.executor import ExecutorError
+    from serve_app.batch_engine import BatchEngine
+
+    engine = BatchEngine(model, defaults=BatchDefaults(max_tokens=4, temperature=0))
+    batch = pa.table({"id": ["a", "b", "c"], "prompt": ["Hello", None, "The cat"]})
+    try:
+
+        def lost(step):
+            raise ExecutorError("worker lost")
+
+        monkeypatch.setattr(engine.llm.engine.executor, "execute", lost)
+        rows = _by_id(engine(batch))
+        assert rows["a"]["status"] == rows["c"]["status"] == "failed"
+        assert (
+            rows["a"]["error_code"] == "engine_error"
+            and "worker lost" in rows["a"]["error_message"]
+        )
+        assert rows["b"]["error_code"] == "invalid_request"  # the bad row stays the row's fault
+        rows = _by_id(engine(batch))  # a new engine is built for the next batch
+        assert rows["a"]["status"] == "incomplete" and rows["a"]["completion_tokens"] == 4
+    finally:
+        engine.llm.shutdown()
 
 
 # ------------------------------------------------------------------- row parsing

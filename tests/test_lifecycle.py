@@ -32,8 +32,10 @@ def model_id(serve_url) -> str:
 
 
 def _idle_totals(admin_url: str) -> dict:
-    total = httpx.get(f"{admin_url}/admin/v1/stats").json()["total"]
-    return {k: total[k] for k in IDLE}
+    stats = httpx.get(f"{admin_url}/admin/v1/stats").json()
+    # Totals over no reporting replica would look idle: require the replica to be there.
+    assert len(stats["replicas"]) == 1, stats
+    return {k: stats["total"][k] for k in IDLE}
 
 
 def _wait_idle(admin_url: str, within_s: float) -> float:

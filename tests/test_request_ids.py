@@ -1,0 +1,107 @@
+"""X-Request-Id over HTTP: one live attempt per id, replay after completion, 409s."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.serve
+
+
+@pytest.fixture(scope="module")
+def model_id(serve_url) -> str:
+    return httpx.get(f"{serve_url}/v1/models").json()["data"][0]["id"]
+
+
+def test_an_id_is_generated_when_none_is_given(serve_url, model_id):
+    r = httpx.post(
+        f"{serve_url}/v1/completions", json={"model": model_id, "prompt": "a", "max_tokens": 2}
+    )
+    assert r.status_code == 200 and len(r.headers["x-request-id"]) >= 16
+
+
+def test_completed_id_replays_without_generating_again(serve_url, model_id):
+    rid = uuid.uuid4().hex
+    body = {"model": model_id, "prompt": "replay me", "max_tokens": 8, "temperature": 1.0}
+    first = httpx.post(f"{serve_url}/v1/completions", json=body, headers={"X-Request-Id": rid})
+    assert first.status_code == 200 and first.headers["x-request-id"] == rid
+    again = httpx.post(f"{serve_url}/v1/completions", json=body, headers={"X-Request-Id": rid})
+    assert again.status_code == 200 and again.headers.get("x-replayed") == "true"
+    # The recorded answer itself: same random completion id, same text sampled at T=1.
+    assert again.json() == first.json()
+    with httpx.stream(
+        "POST",
+        f"{serve_url}/v1/completions",
+        json={**body, "stream": True},
+        headers={"X-Request-Id": rid},
+    ) as r:
+        # A streaming body differs from the recorded one: it is a different request.
+        assert r.status_code == 409
+    other = httpx.post(
+        f"{serve_url}/v1/completions",
+        json={**body, "prompt": "changed"},
+        headers={"X-Request-Id": rid},
+    )
+    assert other.status_code == 409 and other.json()["error"]["code"] == "request_id_in_use"
+    assert other.headers["x-should-retry"] == "false"
+
+
+def test_streamed_request_replays_as_a_stream(serve_url, model_id):
+    rid = uuid.uuid4().hex
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    def read() -> tuple[str, list]:
+        events = []
+        with httpx.stream(
+            "POST", f"{serve_url}/v1/chat/completions", json=body, headers={"X-Request-Id": rid}
+        ) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        text = "".join(
+            c["delta"].get("content") or "" for e in events[:-1] for c in json.loads(e)["choices"]
+        )
+        return text, events
+
+    text, events = read()
+    replay_text, replay_events = read()
+    assert replay_text == text and replay_events[-1] == "[DONE]"
+    usage = json.loads(replay_events[-2])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+
+
+def test_live_id_conflicts_and_a_cancelled_attempt_frees_it(serve_url, model_id):
+    rid = uuid.uuid4().hex
+    long = {
+        "model": model_id,
+        "prompt": "long",
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{serve_url}/v1/completions", json=long, headers={"X-Request-Id": rid}
+    ) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)  # the attempt is live and streaming
+        dup = httpx.post(
+            f"{serve_url}/v1/completions", json=long, headers={"X-Request-Id": rid}, timeout=30
+        )
+        assert dup.status_code == 409 and dup.json()["error"]["code"] == "request_id_in_use"
+    # The client left mid-stream: that attempt was cancelled, so the id starts a new one.
+    short = {**long, "max_tokens": 3, "stream": False}
+    retry = httpx.post(
+        f"{serve_url}/v1/completions", json=short, headers={"X-Request-Id": rid}, timeout=30
+    )
+    assert retry.status_code == 200 and retry.json()["usage"]["completion_tokens"] == 3
