@@ -92,3 +92,19 @@ _SERVED: dict[str, str] = {}
 def admin_url(serve_url) -> str:
     """The admin API of the session's served application (its own loopback port)."""
     return _SERVED["admin_url"]
+
+
+@pytest.fixture(scope="session")
+def model_id(serve_url) -> str:
+    """The id the session's server answers to (its checkpoint folder's name)."""
+    import httpx
+
+    return httpx.get(f"{serve_url}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="session")
+def client(serve_url):
+    """The official `openai` client on the session's server, without client-side retries."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)

@@ -26,11 +26,6 @@ def _stream_body(model_id: str, max_tokens: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def model_id(serve_url) -> str:
-    return httpx.get(f"{serve_url}/v1/models").json()["data"][0]["id"]
-
-
 def _idle_totals(admin_url: str) -> dict:
     stats = httpx.get(f"{admin_url}/admin/v1/stats").json()
     # Totals over no reporting replica would look idle: require the replica to be there.

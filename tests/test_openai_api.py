@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 from actors import LLM, SamplingParams
@@ -13,16 +12,6 @@ from actors import LLM, SamplingParams
 pytestmark = pytest.mark.serve
 
 CHAT = [{"role": "user", "content": "Say something about JSON."}]
-
-
-@pytest.fixture(scope="module")
-def client(serve_url):
-    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_id(client):
-    return client.models.list().data[0].id
 
 
 def _sse_events(serve_url: str, path: str, body: dict) -> list[dict | str]:

@@ -15,16 +15,6 @@ pytestmark = pytest.mark.serve
 CHAT = [{"role": "user", "content": "Say something about JSON."}]
 
 
-@pytest.fixture(scope="module")
-def client(serve_url):
-    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_id(client):
-    return client.models.list().data[0].id
-
-
 SCHEMAS = [
     {
         "type": "object",

@@ -11,11 +11,6 @@ import pytest
 pytestmark = pytest.mark.serve
 
 
-@pytest.fixture(scope="module")
-def model_id(serve_url) -> str:
-    return httpx.get(f"{serve_url}/v1/models").json()["data"][0]["id"]
-
-
 def test_an_id_is_generated_when_none_is_given(serve_url, model_id):
     r = httpx.post(
         f"{serve_url}/v1/completions", json={"model": model_id, "prompt": "a", "max_tokens": 2}
