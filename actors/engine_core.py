@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
@@ -78,6 +79,8 @@ class EngineCore:
         self.num_steps = 0
         self.num_requests = 0
         self.cost = CostModel()
+        # Called with each sequence's queue time (arrival to first scheduled step).
+        self.on_queue_time: Callable[[float], None] | None = None
         self.deadlines = DeadlineTracker()
         # Set once a worker failed: the engine then refuses work and reports unhealthy.
         self.dead: str | None = None
@@ -249,7 +252,12 @@ class EngineCore:
 
     def _build_step_input(self, sched: SchedulerOutput) -> StepInput:
         items = []
+        now = time.monotonic()
         for s in sched.scheduled:
+            if s.seq.queue_time is None:
+                s.seq.queue_time = now - s.seq.arrival_time
+                if self.on_queue_time is not None:
+                    self.on_queue_time(s.seq.queue_time)
             start = s.seq.num_computed_tokens
             items.append(
                 ScheduledItem(

@@ -57,6 +57,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    # Seconds from arrival to the first step that computed any of its tokens.
+    queue_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

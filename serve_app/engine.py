@@ -16,6 +16,7 @@ from actors.outputs import RequestOutput
 from actors.platform import describe, resolve_dtype
 from serve_app.admin import StatsReporter
 from serve_app.config import ServeConfig
+from serve_app.metrics import record_engine_gauges, record_latency
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,10 @@ class EngineService:
         )
         # Built lazily on the first grammar: engines that never see one never pay for it.
         grammar_cache = CompiledGrammarCache(lambda: load_tokenizer_info(config.model))
+        core.on_queue_time = lambda seconds: record_latency("queue", seconds, "engine")
         self.engine = AsyncEngine(core, grammar_cache.get_constraint)
         self.replica_id = _replica_id()
-        self.reporter = StatsReporter(config.model_id, self.replica_id, self.stats)
+        self.reporter = StatsReporter(config.model_id, self.replica_id, self._report)
         logger.info(
             "engine replica ready on %s (tp=%d, %d KV blocks)",
             describe(),
@@ -81,6 +83,11 @@ class EngineService:
             "replica": self.replica_id,
             "node_id": ray.get_runtime_context().get_node_id(),
         }
+
+    def _report(self) -> dict[str, object]:
+        stats = self.stats()
+        record_engine_gauges(self.replica_id, stats)
+        return stats
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""

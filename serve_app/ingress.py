@@ -13,6 +13,7 @@ from starlette.routing import Route
 from serve_app import errors
 from serve_app.admin import find_registry
 from serve_app.config import ServeConfig
+from serve_app.metrics import record_outcome
 from serve_app.openai_api import OpenAIHandlers
 from serve_app.server_info import server_info
 
@@ -56,6 +57,8 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> Starlette:
         async def on_api_error(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, errors.APIError)
+            endpoint = request.url.path.rsplit("/", 1)[-1]
+            record_outcome(endpoint, "error", exc.code)
             return exc.response()
 
         return Starlette(

@@ -35,3 +35,49 @@ def record_grammar_compile(kind: str, seconds: float, hit: bool, outcome: str) -
         "Grammar compile requests by kind, cache hit or miss, and outcome.",
         tag_keys=("kind", "cache", "outcome"),
     ).inc(tags=tags)
+
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+def record_latency(name: str, seconds: float, endpoint: str) -> None:
+    """`name`: ttft, itl, e2e (ingress) or queue (engine); one histogram each."""
+    _get(
+        "Histogram",
+        f"serve_app_{name}_seconds",
+        f"Request {name} in seconds.",
+        boundaries=_LATENCY_BUCKETS,
+        tag_keys=("endpoint",),
+    ).observe(seconds, tags={"endpoint": endpoint})
+
+
+def record_outcome(endpoint: str, outcome: str, code: str = "") -> None:
+    """Finished requests by outcome (a finish reason, or `error`) and error code, so client
+    cancels, overload and internal timeouts are told apart."""
+    _get(
+        "Counter",
+        "serve_app_requests_total",
+        "Finished requests by endpoint, outcome and error code.",
+        tag_keys=("endpoint", "outcome", "code"),
+    ).inc(tags={"endpoint": endpoint, "outcome": outcome, "code": code})
+
+
+def record_tokens(endpoint: str, prompt: int, output: int, cached: int) -> None:
+    for kind, value in (("prompt", prompt), ("output", output), ("cached", cached)):
+        if value:
+            _get(
+                "Counter",
+                "serve_app_tokens_total",
+                "Tokens by kind: prompt, output, cached (cached are part of prompt).",
+                tag_keys=("endpoint", "kind"),
+            ).inc(value, tags={"endpoint": endpoint, "kind": kind})
+
+
+def record_engine_gauges(replica: str, stats: dict) -> None:
+    for key in ("running", "waiting", "held", "kv_blocks_used", "kv_blocks_total"):
+        _get(
+            "Gauge",
+            f"serve_app_engine_{key}",
+            f"Engine replica {key}.",
+            tag_keys=("replica",),
+        ).set(float(stats.get(key, 0)), tags={"replica": replica})

@@ -18,6 +18,7 @@ from actors.messages import EngineRequest
 from actors.outputs import RequestOutput
 from serve_app import errors
 from serve_app.config import ServeConfig
+from serve_app.metrics import record_latency, record_outcome, record_tokens
 from serve_app.openai_format import ChoiceState, Formatter
 from serve_app.protocol import Usage, new_id, parse_request
 from serve_app.request_ids import HEADER as REQUEST_ID_HEADER
@@ -61,6 +62,7 @@ class Job:
     deadline: float | None
     # Records the terminal (non-streamed) body before the terminal event is sent.
     on_complete: Callable[[dict], None] | None = None
+    started: float = 0.0
 
 
 class OpenAIHandlers:
@@ -199,7 +201,9 @@ class OpenAIHandlers:
         ]
         # The engine enforces the deadline; this one only guards against a lost engine.
         deadline = time.monotonic() + timeout_s + 5.0 if timeout_s else None
-        return Job(req, formatter, engine_requests, echo, params.n, deadline)
+        job = Job(req, formatter, engine_requests, echo, params.n, deadline)
+        job.started = time.monotonic()
+        return job
 
     async def _start_grammar(self, req) -> list[object] | None:
         spec = req.grammar_spec()
@@ -309,10 +313,19 @@ class OpenAIHandlers:
             for d in out.deltas:
                 choices[i * job.n + d.index].add(d)
         usage = self._usage(job, choices, cached)
+        self._observe_end(job, choices, usage)
         body = job.formatter.body(choices, usage, self._echo(job))
         if job.on_complete is not None:
             job.on_complete(body)
         return JSONResponse(body)
+
+    def _observe_end(self, job: Job, choices: list[ChoiceState], usage: Usage) -> None:
+        endpoint = "chat" if job.formatter.chat else "completions"
+        record_latency("e2e", time.monotonic() - job.started, endpoint)
+        for c in choices:
+            record_outcome(endpoint, c.finish_reason or "unknown")
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        record_tokens(endpoint, usage.prompt_tokens, usage.completion_tokens, cached)
 
     def _echo(self, job: Job) -> list[str]:
         return [job.echo[c // job.n] for c in range(len(job.engine_requests) * job.n)]
@@ -327,6 +340,8 @@ class OpenAIHandlers:
         echo = self._echo(job)
         state = StreamState(len(choices), include_usage=job.req.include_usage, role_first=fmt.chat)
         cached = [0] * len(job.engine_requests)
+        endpoint = "chat" if fmt.chat else "completions"
+        last_chunk: float | None = None
         try:
             for c in choices:
                 if fmt.chat:
@@ -351,6 +366,12 @@ class OpenAIHandlers:
                     offset = len(echo[c.index]) + len(c.text)
                     c.add(d)
                     if d.text or d.logprobs:
+                        now = time.monotonic()
+                        if last_chunk is None:
+                            record_latency("ttft", now - job.started, endpoint)
+                        else:
+                            record_latency("itl", now - last_chunk, endpoint)
+                        last_chunk = now
                         lp = d.logprobs if fmt.want_logprobs else None
                         yield state.frame_chunk(
                             fmt.content_chunk(c.index, d.text, d.token_ids, lp, offset)
@@ -358,6 +379,7 @@ class OpenAIHandlers:
                     if c.finish_reason is not None:
                         yield state.frame_chunk(fmt.finish_chunk(c))
             usage = self._usage(job, choices, cached)
+            self._observe_end(job, choices, usage)
             if job.on_complete is not None and all(c.finish_reason for c in choices):
                 job.on_complete(fmt.body(choices, usage, echo))
             if job.req.include_usage:

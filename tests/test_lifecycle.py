@@ -108,3 +108,33 @@ def test_drain_refuses_new_requests_until_lifted(serve_url, admin_url, model_id)
         assert lifted["draining"] is False
     time.sleep(0.6)
     assert httpx.post(f"{serve_url}/v1/completions", json=body, timeout=30).status_code == 200
+
+
+def test_request_metrics_reach_prometheus(serve_url, model_id, ray_session):
+    """TTFT/ITL/e2e/queue histograms, outcome and token counters, engine gauges."""
+    body = {"model": model_id, "prompt": "metrics", "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", f"{serve_url}/v1/completions", json=body) as r:
+        assert r.status_code == 200 and list(r.iter_lines())
+    bad = httpx.post(f"{serve_url}/v1/completions", json={**body, "bogus": 1})
+    assert bad.status_code == 400
+    node = ray_session._private.worker.global_worker.node
+    url = f"http://127.0.0.1:{node.metrics_export_port}/metrics"
+    wanted = [
+        "serve_app_ttft_seconds",
+        "serve_app_itl_seconds",
+        "serve_app_e2e_seconds",
+        "serve_app_queue_seconds",
+        'serve_app_requests_total{Component="core_worker"',
+        'code="unknown_parameter"',
+        "serve_app_tokens_total",
+        "serve_app_engine_kv_blocks_total",
+    ]
+    deadline = time.monotonic() + 60
+    missing = wanted
+    while time.monotonic() < deadline:
+        text = httpx.get(url, timeout=10).text
+        missing = [w for w in wanted if w not in text]
+        if not missing:
+            return
+        time.sleep(1)
+    raise AssertionError(f"metrics never exported: {missing}")
