@@ -41,7 +41,8 @@ _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 def record_latency(name: str, seconds: float, endpoint: str) -> None:
-    """`name`: ttft, itl, e2e (ingress) or queue (engine); one histogram each."""
+    """`name`: ttft, itl (a stream's mean gap between chunks), e2e (ingress) or queue
+    (engine); one histogram each, one observation per request."""
     _get(
         "Histogram",
         f"serve_app_{name}_seconds",

@@ -341,7 +341,8 @@ class OpenAIHandlers:
         state = StreamState(len(choices), include_usage=job.req.include_usage, role_first=fmt.chat)
         cached = [0] * len(job.engine_requests)
         endpoint = "chat" if fmt.chat else "completions"
-        last_chunk: float | None = None
+        first_chunk: float | None = None
+        num_chunks = 0
         try:
             for c in choices:
                 if fmt.chat:
@@ -366,12 +367,10 @@ class OpenAIHandlers:
                     offset = len(echo[c.index]) + len(c.text)
                     c.add(d)
                     if d.text or d.logprobs:
-                        now = time.monotonic()
-                        if last_chunk is None:
-                            record_latency("ttft", now - job.started, endpoint)
-                        else:
-                            record_latency("itl", now - last_chunk, endpoint)
-                        last_chunk = now
+                        if first_chunk is None:
+                            first_chunk = time.monotonic()
+                            record_latency("ttft", first_chunk - job.started, endpoint)
+                        num_chunks += 1
                         lp = d.logprobs if fmt.want_logprobs else None
                         yield state.frame_chunk(
                             fmt.content_chunk(c.index, d.text, d.token_ids, lp, offset)
@@ -380,6 +379,11 @@ class OpenAIHandlers:
                         yield state.frame_chunk(fmt.finish_chunk(c))
             usage = self._usage(job, choices, cached)
             self._observe_end(job, choices, usage)
+            if first_chunk is not None and num_chunks > 1:
+                # One observation per request (its mean gap): a metric call per token costs
+                # the shared ingress more than it tells.
+                mean_gap = (time.monotonic() - first_chunk) / (num_chunks - 1)
+                record_latency("itl", mean_gap, endpoint)
             if job.on_complete is not None and all(c.finish_reason for c in choices):
                 job.on_complete(fmt.body(choices, usage, echo))
             if job.req.include_usage:
