@@ -79,6 +79,11 @@ class ServeConfig(BaseModel):
     def _check(self) -> ServeConfig:
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model} is not a checkpoint folder (no config.json)")
+        # NOTE: refused rather than ignored: accepting a keys file that nothing enforces
+        # would let a public bind through without authentication.
+        for name in ("api_keys_file", "store"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not supported by this version yet")
         if not is_loopback(self.host) and not self.api_keys_file:
             raise ValueError(
                 f"host: refusing to bind {self.host} (not loopback) without api_keys_file"

@@ -50,3 +50,15 @@ def test_strict_structured_output_refuses_to_start_when_xgrammar_cannot(model_di
     strict = ServeConfig(model=model, grammar={"strict_structured_output": True})
     with pytest.raises(RuntimeError, match="strict_structured_output"):
         probe_grammar_backend(strict)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("api_keys_file", "/tmp/keys.yaml"), ("store", "sqlite:///x.db")]
+)
+def test_unimplemented_auth_and_store_are_refused_not_ignored(model_dirs, field, value):
+    from pydantic import ValidationError
+
+    from serve_app.config import ServeConfig
+
+    with pytest.raises(ValidationError, match=f"{field}: not supported"):
+        ServeConfig(model=str(model_dirs("llama")), host="0.0.0.0", **{field: value})
