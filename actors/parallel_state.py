@@ -45,11 +45,6 @@ def get_tp_group() -> TPGroup:
     return _TP
 
 
-def clear_tp_group() -> None:
-    global _TP
-    _TP = None
-
-
 def ensure_single_rank_group() -> None:
     """For in-process TP=1 use: set a trivial group unless one is already set."""
     if _TP is None:

@@ -23,6 +23,8 @@ from typing import Any
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from serve_app.identity import tokenizer_hash
+
 logger = logging.getLogger(__name__)
 
 BACKEND = "xgrammar"
@@ -75,13 +77,6 @@ class GrammarError(Exception):
 def clean_reason(exc: BaseException) -> str:
     text = " ".join(_LOG_PREFIX.sub("", str(exc)).split())
     return text[:MAX_REASON_CHARS] or type(exc).__name__
-
-
-def tokenizer_hash(model_path: Path) -> str:
-    """sha256 of tokenizer.json; tokenizers without one hash their vocabulary files."""
-    primary = model_path / "tokenizer.json"
-    files = [primary] if primary.is_file() else sorted(model_path.glob("*token*"))
-    return hashlib.sha256(b"".join(f.read_bytes() for f in files if f.is_file())).hexdigest()
 
 
 class _ByteBoundedLRU:

@@ -42,16 +42,23 @@ def weights_hash(model_dir: str | Path) -> str:
     return digest
 
 
+def tokenizer_hash(model_dir: str | Path) -> str:
+    """sha256 of tokenizer.json; tokenizers without one hash their vocabulary files."""
+    model_dir = Path(model_dir)
+    primary = model_dir / "tokenizer.json"
+    files = [primary] if primary.is_file() else sorted(model_dir.glob("*token*"))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files if f.is_file())).hexdigest()
+
+
 def artifact_identity(
     model_dir: str | Path, chat_template: str | None, extra: dict | None = None
 ) -> dict:
     """Hashes of what is served plus `extra` (grammar backend, parsers); `fingerprint`
     digests all of it."""
     model_dir = Path(model_dir)
-    tok_file = model_dir / "tokenizer.json"
     identity = {
         "weights_sha256": weights_hash(model_dir),
-        "tokenizer_sha256": _sha256_file(tok_file) if tok_file.is_file() else "",
+        "tokenizer_sha256": tokenizer_hash(model_dir),
         "chat_template_sha256": hashlib.sha256((chat_template or "").encode()).hexdigest(),
     }
     identity.update(extra or {})

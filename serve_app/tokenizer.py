@@ -57,7 +57,3 @@ class TokenizerService:
                 raise errors.invalid_request(
                     f"token id {t} is outside the vocabulary [0, {self.vocab_size})", param
                 )
-
-    def decode_tokens(self, token_ids: list[int]) -> list[str]:
-        """Each id's own text (for logprobs), bytes kept exact via the byte-level alphabet."""
-        return [self.tokenizer.decode([t]) for t in token_ids]

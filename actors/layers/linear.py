@@ -1,6 +1,6 @@
 """Tensor-parallel linear layers. Each owns a `weight_loader` that takes only its shard.
 
-Loaders receive a lazy slice (safetensors `get_slice`, or `TensorSlice` over a tensor) so a
+Loaders receive a lazy slice (safetensors `get_slice`) so a
 rank never materialises the full tensor. Collectives appear explicitly in `forward`.
 """
 
@@ -18,19 +18,6 @@ from actors.parallel_state import get_tp_group
 class LazySlice(Protocol):
     def get_shape(self) -> list[int]: ...
     def __getitem__(self, index: Any) -> torch.Tensor: ...
-
-
-class TensorSlice:
-    """A materialised tensor behind the lazy-slice interface (tests, HF state dicts)."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return self.tensor[index]
 
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
