@@ -1,0 +1,94 @@
+"""The OpenAI stream writer: engine outputs in, SSE frames out, in the promised order
+(`serve_app.streaming`), plus the end-of-request metrics both response modes record."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from actors.outputs import RequestOutput
+from serve_app import errors
+from serve_app.metrics import record_latency, record_outcome, record_tokens
+from serve_app.openai_admission import Job
+from serve_app.openai_format import ChoiceState
+from serve_app.protocol import Usage
+from serve_app.streaming import StreamState
+
+logger = logging.getLogger(__name__)
+
+Merged = AsyncIterator[tuple[int, RequestOutput | None]]
+
+
+def observe_end(job: Job, choices: list[ChoiceState], usage: Usage) -> None:
+    record_latency("e2e", time.monotonic() - job.started, job.endpoint)
+    for c in choices:
+        record_outcome(job.endpoint, c.finish_reason or "unknown")
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    record_tokens(job.endpoint, usage.prompt_tokens, usage.completion_tokens, cached)
+
+
+async def stream_sse(merged: Merged, job: Job) -> AsyncIterator[bytes]:
+    """Pull outputs from the merged engine streams and write SSE frames, one request's
+    whole stream: role deltas, content, finish chunks, usage, [DONE] (or an error frame)."""
+    fmt = job.formatter
+    choices = job.new_choices()
+    echo = job.choice_echo()
+    state = StreamState(len(choices), include_usage=job.req.include_usage, role_first=fmt.chat)
+    cached = [0] * len(job.engine_requests)
+    first_chunk: float | None = None
+    num_chunks = 0
+    try:
+        for c in choices:
+            if fmt.chat:
+                yield state.frame_chunk(fmt.role_chunk(c.index))
+            elif echo[c.index]:
+                yield state.frame_chunk(fmt.content_chunk(c.index, echo[c.index], [], None, 0))
+        async for i, out in merged:
+            if out is None:
+                for c in choices:
+                    if c.finish_reason is None:
+                        c.finish("timeout")
+                        yield state.frame_chunk(fmt.finish_chunk(c))
+                break
+            if out.error is not None:
+                err = errors.internal_error(f"The engine failed: {out.error}")
+                yield state.frame_error(err)
+                yield state.frame_done()
+                return
+            cached[i] = out.num_cached_tokens
+            for d in out.deltas:
+                c = choices[i * job.n + d.index]
+                offset = len(echo[c.index]) + len(c.text)
+                c.add(d)
+                if d.text or d.logprobs:
+                    if first_chunk is None:
+                        first_chunk = time.monotonic()
+                        record_latency("ttft", first_chunk - job.started, job.endpoint)
+                    num_chunks += 1
+                    lp = d.logprobs if fmt.want_logprobs else None
+                    yield state.frame_chunk(
+                        fmt.content_chunk(c.index, d.text, d.token_ids, lp, offset)
+                    )
+                if c.finish_reason is not None:
+                    yield state.frame_chunk(fmt.finish_chunk(c))
+        usage = job.usage(choices, cached)
+        observe_end(job, choices, usage)
+        if first_chunk is not None and num_chunks > 1:
+            # One observation per request (its mean gap): a metric call per token costs
+            # the shared ingress more than it tells.
+            mean_gap = (time.monotonic() - first_chunk) / (num_chunks - 1)
+            record_latency("itl", mean_gap, job.endpoint)
+        if job.on_complete is not None and all(c.finish_reason for c in choices):
+            job.on_complete(fmt.body(choices, usage, echo))
+        if job.req.include_usage:
+            yield state.frame_chunk(fmt.usage_chunk(usage))
+        yield state.frame_done()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("stream failed after headers")
+        if not state.is_closed:
+            yield state.frame_error(errors.internal_error("The stream failed."))
+            yield state.frame_done()
