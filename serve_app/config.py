@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -17,8 +18,13 @@ class EngineOptions(BaseModel):
 
     tensor_parallel_size: int = Field(1, ge=1)
     num_replicas: int = Field(1, ge=1)
-    placement_strategy: str = "PACK"
+    # STRICT_PACK keeps one replica (bundle 0) and its TP ranks on one node. PACK or SPREAD
+    # let ranks straddle nodes (NCCL over the network): a deliberate opt-in.
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
+    # A replica whose placement group is not placed within this fails the deployment.
     placement_timeout_s: float = Field(60.0, gt=0)
+    # Engine bundles ask for one GPU per rank; None: whether the cluster has GPUs at startup.
+    use_gpu: bool | None = None
     # Resources of the replica itself (bundle 0); TP ranks get their own bundles.
     replica_cpus: float = Field(1.0, gt=0)
     dtype: str | None = None
@@ -69,6 +75,8 @@ class ServeConfig(BaseModel):
     api_keys_file: str | None = None
     store: str | None = None
     ray_address: str | None = None
+    # Ingress, tokenizer and grammar (CPU only) run on the Ray head node, not on GPU nodes.
+    cpu_deployments_on_head: bool = True
     # How long a completed request's result is kept for replay under its X-Request-Id.
     request_id_retention_s: float = Field(600.0, ge=0)
     engine: EngineOptions = EngineOptions()
