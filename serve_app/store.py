@@ -86,6 +86,15 @@ class ConversationTurn:
     expected_revision: int
 
 
+@dataclass(frozen=True)
+class TurnAppend:
+    """What a finished generation adds to the conversation turn it held."""
+
+    messages: list[dict[str, Any]]
+    # The conversation's new expiry (retention counts from its last change).
+    expires_at: float
+
+
 class InsertOutcome(Enum):
     CREATED = "created"
     REPLAY = "replay"  # the idempotency key names an existing generation, same body
@@ -143,11 +152,12 @@ class Store(ABC):
         self,
         record: GenerationRecord,
         expected_status: Collection[str],
-        turn_messages: list[dict[str, Any]] | None = None,
+        append: TurnAppend | None = None,
     ) -> bool:
         """`update_generation` plus, in the same transaction, the conversation turn it held:
-        with `turn_messages` they are appended and the revision bumped; without, the turn is
-        only released."""
+        with `append` its messages are appended, the revision bumped by one and the expiry
+        moved; without, the turn is only released. False (nothing written) on a status
+        mismatch."""
 
     @abstractmethod
     def heartbeat(self, owner: str) -> None:
@@ -367,7 +377,7 @@ class SQLiteStore(Store):
         self,
         record: GenerationRecord,
         expected_status: Collection[str],
-        turn_messages: list[dict[str, Any]] | None = None,
+        append: TurnAppend | None = None,
     ) -> bool:
         with self._write() as db:
             if not self._update(db, record, expected_status):
@@ -379,12 +389,18 @@ class SQLiteStore(Store):
             ).fetchone()
             if row is None:
                 return True
-            if turn_messages:
-                messages = json.loads(row[1]) + turn_messages
+            if append is not None:
+                messages = json.loads(row[1]) + append.messages
                 db.execute(
                     "UPDATE conversations SET messages = ?, revision = ?,"
-                    " pending_generation = NULL, updated_at = ? WHERE id = ?",
-                    (json.dumps(messages), row[2] + 1, record.updated_at, row[0]),
+                    " pending_generation = NULL, updated_at = ?, expires_at = ? WHERE id = ?",
+                    (
+                        json.dumps(messages),
+                        row[2] + 1,
+                        record.updated_at,
+                        append.expires_at,
+                        row[0],
+                    ),
                 )
             else:
                 db.execute(
@@ -493,5 +509,6 @@ __all__ = [
     "SQLiteStore",
     "Store",
     "TERMINAL_STATUSES",
+    "TurnAppend",
     "open_store",
 ]

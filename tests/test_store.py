@@ -22,6 +22,7 @@ from serve_app.store import (
     InsertOutcome,
     SQLiteStore,
     Store,
+    TurnAppend,
 )
 
 BACKENDS = ["sqlite"]
@@ -197,9 +198,11 @@ def test_conversation_turns_need_the_current_revision(store: Store) -> None:
     # The turn is held by gen_1: a second writer at the same revision is stale.
     assert store.insert_generation(gen("gen_2"), turn=turn).outcome is InsertOutcome.STALE_REVISION
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    assert store.finish_generation(gen("gen_1", status="completed"), {"queued"}, messages)
+    append = TurnAppend(messages, expires_at=3e6)
+    assert store.finish_generation(gen("gen_1", status="completed"), {"queued"}, append)
     got = store.get_conversation("t1", "conv_1")
     assert got is not None and got.revision == 1 and got.messages == messages
+    assert got.expires_at == 3e6
     assert got.pending_generation is None
     assert store.insert_generation(gen("gen_3"), turn=turn).outcome is InsertOutcome.STALE_REVISION
     next_turn = ConversationTurn("conv_1", expected_revision=1)
