@@ -11,9 +11,12 @@ HTTP status (OpenAI's names where OpenAI has one); `code` names the exact cause.
 |        |                         |                               | invalid_grammar,             |
 |        |                         |                               | context_length_exceeded,     |
 |        |                         |                               | max_tokens_exceeded,         |
-|        |                         |                               | deadline_too_short           |
+|        |                         |                               | deadline_too_short,          |
+|        |                         |                               | request_limit_exceeded       |
 | 401    | authentication_error    | fix credentials               | invalid_api_key              |
-| 403    | permission_error        | fix credentials / permissions | model_not_permitted          |
+| 403    | permission_error        | fix credentials / permissions | model_not_permitted,         |
+|        |                         |                               | profile_not_permitted,       |
+|        |                         |                               | admin_not_permitted          |
 | 404    | not_found_error         | stop (it does not exist)      | model_not_found,             |
 |        |                         |                               | generation_not_found         |
 | 409    | conflict_error          | stop retrying this id         | request_id_in_use,           |
@@ -130,6 +133,12 @@ def invalid_grammar(reason: str, param: str | None) -> APIError:
     return APIError(400, "invalid_grammar", f"Invalid grammar: {reason}", param=param)
 
 
+def request_limit_exceeded(limit: str, value: int, bound: int, param: str | None) -> APIError:
+    """A request over one of the server's or the API key's size limits, naming the limit."""
+    message = f"'{param}' is {value}; the limit {limit} allows at most {bound}."
+    return APIError(400, "request_limit_exceeded", message, param=param)
+
+
 def deadline_too_short(message: str, param: str | None = "timeout") -> APIError:
     return APIError(400, "deadline_too_short", message, param=param)
 
@@ -232,7 +241,7 @@ TAXONOMY: list[dict[str, Any]] = [
         "type": ERROR_TYPES[403],
         "client_action": "fix credentials",
         "should_retry": False,
-        "codes": ["model_not_permitted"],
+        "codes": ["model_not_permitted", "profile_not_permitted", "admin_not_permitted"],
     },
     {
         "class": "not_found",
@@ -256,9 +265,14 @@ TAXONOMY: list[dict[str, Any]] = [
         "type": ERROR_TYPES[413],
         "client_action": "shrink the body, prompt or max_tokens",
         "should_retry": False,
-        "codes": ["body_too_large", "context_length_exceeded", "max_tokens_exceeded"],
+        "codes": [
+            "body_too_large",
+            "context_length_exceeded",
+            "max_tokens_exceeded",
+            "request_limit_exceeded",
+        ],
         "note": "body_too_large is 413; the others are 400 on OpenAI endpoints, "
-        "422 on /v1/generations",
+        "422 on /v1/generations; the message names the limit that fired",
     },
     {
         "class": "limit_exceeded",
