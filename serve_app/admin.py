@@ -177,7 +177,13 @@ class AdminServer:
 def start_admin(model_id: str, host: str, port: int, api_key: str | None):
     """Start the registry and the admin server; returns the server actor (kill it to stop)."""
     get_or_create_registry(model_id)
-    actor = ray.remote(AdminServer).options(num_cpus=0).remote(model_id, host, port, api_key)
+    # NOTE: on the head node, like the HTTP proxy: a loopback bind must be the head's loopback.
+    head = {"node:__internal_head__": 0.001}
+    actor = (
+        ray.remote(AdminServer)
+        .options(num_cpus=0, resources=head)
+        .remote(model_id, host, port, api_key)
+    )
     if not ray.get(actor.ready.remote()):
         raise RuntimeError(f"admin server did not start on {host}:{port}")
     return actor
