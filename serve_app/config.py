@@ -12,6 +12,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from serve_app.profiles import GenerationOptions
+
+STORE_SCHEMES = ("sqlite:///", "postgresql://", "postgres://")
+
 
 class EngineOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -73,6 +77,8 @@ class ServeConfig(BaseModel):
     # Bearer key for the admin API; required to bind it off loopback.
     admin_api_key: str | None = None
     api_keys_file: str | None = None
+    # Durable state of /v1/generations: None (SQLite in generations.data_dir),
+    # sqlite:///PATH or postgresql://...
     store: str | None = None
     ray_address: str | None = None
     # Ingress, tokenizer and grammar (CPU only) run on the Ray head node, not on GPU nodes.
@@ -82,6 +88,7 @@ class ServeConfig(BaseModel):
     engine: EngineOptions = EngineOptions()
     grammar: GrammarOptions = GrammarOptions()
     limits: LimitOptions = LimitOptions()
+    generations: GenerationOptions = GenerationOptions()
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
@@ -89,9 +96,12 @@ class ServeConfig(BaseModel):
             raise ValueError(f"model: {self.model} is not a checkpoint folder (no config.json)")
         # NOTE: refused rather than ignored: accepting a keys file that nothing enforces
         # would let a public bind through without authentication.
-        for name in ("api_keys_file", "store"):
+        for name in ("api_keys_file",):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not supported by this version yet")
+        if self.store is not None and not self.store.startswith(STORE_SCHEMES):
+            raise ValueError(f"store: {self.store!r} is not sqlite:///PATH or postgresql://...")
+        self.generations.check_models(self.model_id)
         if not is_loopback(self.host) and not self.api_keys_file:
             raise ValueError(
                 f"host: refusing to bind {self.host} (not loopback) without api_keys_file"
