@@ -12,6 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from serve_app.auth import KeysFile, load_keys_file
 from serve_app.profiles import GenerationOptions
 
 STORE_SCHEMES = ("sqlite:///", "postgresql://", "postgres://")
@@ -62,6 +63,9 @@ class LimitOptions(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     max_stop_sequences: int = Field(8, ge=0)
     max_prompts_per_request: int = Field(64, ge=1)
+    # Tool definitions per request, and their JSON size in bytes.
+    max_tools: int = Field(128, ge=0)
+    max_tool_bytes: int = Field(256 * 1024, ge=1)
 
 
 class ServeConfig(BaseModel):
@@ -77,6 +81,8 @@ class ServeConfig(BaseModel):
     # Bearer key for the admin API; required to bind it off loopback.
     admin_api_key: str | None = None
     api_keys_file: str | None = None
+    # Read from api_keys_file at startup, so replicas on other nodes never need the file.
+    api_keys: KeysFile | None = None
     # Durable state of /v1/generations: None (SQLite in generations.data_dir),
     # sqlite:///PATH or postgresql://...
     store: str | None = None
@@ -94,17 +100,15 @@ class ServeConfig(BaseModel):
     def _check(self) -> ServeConfig:
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model} is not a checkpoint folder (no config.json)")
-        # NOTE: refused rather than ignored: accepting a keys file that nothing enforces
-        # would let a public bind through without authentication.
-        for name in ("api_keys_file",):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: not supported by this version yet")
+        if self.api_keys_file is not None and self.api_keys is None:
+            self.api_keys = load_keys_file(self.api_keys_file)
         if self.store is not None and not self.store.startswith(STORE_SCHEMES):
             raise ValueError(f"store: {self.store!r} is not sqlite:///PATH or postgresql://...")
         self.generations.check_models(self.model_id)
-        if not is_loopback(self.host) and not self.api_keys_file:
+        if not is_loopback(self.host) and self.api_keys is None:
             raise ValueError(
-                f"host: refusing to bind {self.host} (not loopback) without api_keys_file"
+                f"host: refusing to bind {self.host} (not loopback) without API keys "
+                "(api_keys_file)"
             )
         if not is_loopback(self.admin_host) and not self.admin_api_key:
             raise ValueError(
