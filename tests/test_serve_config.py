@@ -52,9 +52,7 @@ def test_strict_structured_output_refuses_to_start_when_xgrammar_cannot(model_di
         probe_grammar_backend(strict)
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("api_keys_file", "/tmp/keys.yaml"), ("store", "sqlite:///x.db")]
-)
+@pytest.mark.parametrize(("field", "value"), [("store", "sqlite:///x.db")])
 def test_unimplemented_auth_and_store_are_refused_not_ignored(model_dirs, field, value):
     from pydantic import ValidationError
 
