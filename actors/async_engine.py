@@ -12,11 +12,11 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 from actors.deadlines import RequestRejected
 from actors.engine_core import EngineCore
 from actors.executor import ExecutorError
+from actors.output_stream import OutputStream, Phase
 from actors.outputs import RequestOutput
 from actors.request import FinishReason
 from actors.sampling_params import SamplingParams
@@ -26,21 +26,28 @@ logger = logging.getLogger(__name__)
 Command = Callable[[EngineCore], None]
 
 
-@dataclass
-class _Stream:
-    queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
-    finished: bool = False
-
-
 class AsyncEngine:
-    def __init__(self, core: EngineCore, constraint_builder: Callable[[object], object] | None):
+    def __init__(
+        self,
+        core: EngineCore,
+        constraint_builder: Callable[[object], object] | None,
+        output_queue_size: int = 64,
+        hold_timeout_s: float = 30.0,
+    ):
         self.core = core
         self.constraint_builder = constraint_builder
+        self.output_queue_size = output_queue_size
+        self.hold_timeout_s = hold_timeout_s
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        # Keyed by the core's id of one attempt; an entry lives until the engine is done
+        # with the attempt (finished, or its abort confirmed).
+        self._streams: dict[str, OutputStream] = {}
+        self._live_attempts: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
+        self.num_fenced_outputs = 0
+        self.num_slow_consumer_cancels = 0
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -57,22 +64,57 @@ class AsyncEngine:
         grammar: Awaitable[object] | None = None,
         priority: int = 0,
         timeout_s: float | None = None,
+        attempt: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving the iterator early aborts the request."""
+        """Stream one attempt's outputs; leaving the iterator early aborts it. Every output
+        carries its attempt number; outputs of a closed attempt are never delivered."""
         if self.core.dead is not None:
             raise ExecutorError(f"engine is not running: {self.core.dead}")
-        if request_id in self._streams:
+        if request_id in self._live_attempts:
             raise ValueError(f"request_id: {request_id!r} is already running")
         self.core.validate_prompt(prompt_token_ids)  # reads config only: safe off-thread
         self._loop = asyncio.get_running_loop()
-        stream = _Stream()
-        self._streams[request_id] = stream
+        core_id = f"{request_id}@{attempt}"
+        stream = OutputStream(request_id, attempt, self.output_queue_size)
+        self._streams[core_id] = stream
+        self._live_attempts[request_id] = core_id
+        add = self._add_command(core_id, prompt_token_ids, params, grammar, priority, timeout_s)
+        self._submit(add)
+        task = None
+        if grammar is not None:
+            task = asyncio.create_task(self._attach_grammar(core_id, grammar, params.n))
+        try:
+            while True:
+                out, resume = await stream.pop()
+                if resume:
+                    self._resume(core_id, stream)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._live_attempts.pop(request_id, None)
+            if task is not None:
+                task.cancel()
+            self._cancel_timer(stream)
+            if stream.phase is not Phase.FINISHED:
+                stream.phase = Phase.CANCELLING
+                self._submit(lambda core: core.abort(core_id))
+
+    def _add_command(
+        self,
+        core_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        grammar: Awaitable[object] | None,
+        priority: int,
+        timeout_s: float | None,
+    ) -> Command:
         awaiting = grammar is not None
 
         def add(core: EngineCore) -> None:
             try:
                 core.add_request(
-                    request_id,
+                    core_id,
                     prompt_token_ids,
                     params,
                     priority,
@@ -81,30 +123,43 @@ class AsyncEngine:
                 )
             except Exception as exc:  # noqa: BLE001 (reported to this request's stream)
                 code = exc.code if isinstance(exc, RequestRejected) else "internal_error"
-                failed = RequestOutput(request_id, prompt_token_ids, [], 0, True, error=str(exc))
+                failed = RequestOutput(core_id, prompt_token_ids, [], 0, True, error=str(exc))
                 failed.error_code = code
                 self._post([failed])
 
-        self._submit(add)
-        task = None
-        if grammar is not None:
-            task = asyncio.create_task(self._attach_grammar(request_id, grammar, params.n))
-        try:
-            while True:
-                out = await stream.queue.get()
-                if out.finished:
-                    stream.finished = True
-                yield out
-                if out.finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if task is not None:
-                task.cancel()
-            if not stream.finished:
-                self._submit(lambda core: core.abort(request_id))
+        return add
 
-    async def _attach_grammar(self, request_id: str, grammar: Awaitable[object], n: int) -> None:
+    # ------------------------------------------------------------- backpressure
+    def _hold(self, core_id: str, stream: OutputStream) -> None:
+        """The consumer is `capacity` outputs behind: stop scheduling it, keep its KV."""
+        assert self._loop is not None
+        stream.phase = Phase.HELD
+        self._submit(lambda core: core.hold(core_id))
+        stream.hold_timer = self._loop.call_later(
+            self.hold_timeout_s, self._expire_hold, core_id, stream
+        )
+
+    def _resume(self, core_id: str, stream: OutputStream) -> None:
+        self._cancel_timer(stream)
+        stream.phase = Phase.RUNNING
+        self._submit(lambda core: core.resume(core_id))
+
+    def _expire_hold(self, core_id: str, stream: OutputStream) -> None:
+        if stream.phase is not Phase.HELD:
+            return
+        self.num_slow_consumer_cancels += 1
+        logger.info("request %s cancelled: slow_consumer", stream.request_id)
+        self._submit(
+            lambda core: core.abort(core_id, FinishReason.ABORT, stop_reason="slow_consumer")
+        )
+
+    @staticmethod
+    def _cancel_timer(stream: OutputStream) -> None:
+        if stream.hold_timer is not None:
+            stream.hold_timer.cancel()
+            stream.hold_timer = None
+
+    async def _attach_grammar(self, core_id: str, grammar: Awaitable[object], n: int) -> None:
         try:
             payload = await grammar
             assert self.constraint_builder is not None
@@ -115,16 +170,29 @@ class AsyncEngine:
             reason = getattr(exc, "reason", None) or str(exc)
             code = getattr(exc, "code", None) or "invalid_grammar"
             self._submit(
-                lambda core: core.abort(request_id, FinishReason.ERROR, reason, error_code=code)
+                lambda core: core.abort(core_id, FinishReason.ERROR, reason, error_code=code)
             )
             return
-        self._submit(lambda core: core.set_constraints(request_id, constraints))
+        self._submit(lambda core: core.set_constraints(core_id, constraints))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.queue.put_nowait(out)
+            core_id = out.request_id
+            stream = self._streams.get(core_id)
+            if stream is None or not stream.is_open:
+                # The fence: the consumer of this attempt is gone; only the end matters.
+                if stream is not None and out.finished:
+                    stream.phase = Phase.RELEASED
+                    del self._streams[core_id]
+                elif not out.finished:
+                    self.num_fenced_outputs += 1
+                continue
+            out.request_id, out.attempt = stream.request_id, stream.attempt
+            if stream.push(out):
+                self._hold(core_id, stream)
+            if out.finished:
+                self._cancel_timer(stream)
+                del self._streams[core_id]
 
     # -------------------------------------------------------------- step-thread side
     def _run(self) -> None:
@@ -158,7 +226,14 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------- lifecycle
     def stats(self) -> dict[str, int]:
-        return {**self.core.stats(), "live_requests": len(self._streams)}
+        phases = [s.phase for s in self._streams.values()]
+        return {
+            **self.core.stats(),
+            "live_requests": len(self._streams),
+            "cancelling": phases.count(Phase.CANCELLING),
+            "fenced_outputs": self.num_fenced_outputs,
+            "slow_consumer_cancels": self.num_slow_consumer_cancels,
+        }
 
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.core.is_healthy()

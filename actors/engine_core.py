@@ -185,13 +185,14 @@ class EngineCore:
         reason: FinishReason = FinishReason.ABORT,
         error: str | None = None,
         error_code: str | None = None,
+        stop_reason: str | None = None,
     ) -> None:
         """Stop a request; its blocks are free before the next step. Unknown ids: no-op."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return
         self.deadlines.discard(request_id)
-        self._aborted_outputs.append(self._end(state, reason, error, error_code))
+        self._aborted_outputs.append(self._end(state, reason, error, error_code, stop_reason))
 
     def _end(
         self,
@@ -199,12 +200,14 @@ class EngineCore:
         reason: FinishReason,
         error: str | None = None,
         error_code: str | None = None,
+        stop_reason: str | None = None,
     ) -> RequestOutput:
         deltas = []
         for seq, detok in zip(state.seqs, state.detokenizers, strict=True):
             if not seq.is_finished:
-                self._finish(seq, reason, None)
-                deltas.append(CompletionDelta(seq.index, [], detok.take_delta(True), None, reason))
+                self._finish(seq, reason, stop_reason)
+                text = detok.take_delta(True)
+                deltas.append(CompletionDelta(seq.index, [], text, None, reason, stop_reason))
         seq0 = state.seqs[0]
         return RequestOutput(
             state.request_id,

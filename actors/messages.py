@@ -74,3 +74,5 @@ class EngineRequest:
     priority: int = 0
     # The client's deadline, relative to when the engine receives the request.
     timeout_s: float | None = None
+    # The attempt number under this request id: outputs of other attempts are fenced off.
+    attempt: int = 0

@@ -36,6 +36,8 @@ class RequestOutput:
     # Set when the request ended in an error (engine lost, grammar failed to compile, ...).
     error: str | None = None
     error_code: str | None = None
+    # The attempt this output belongs to (the fence: a closed attempt's outputs are dropped).
+    attempt: int = 0
 
 
 @dataclass

@@ -40,6 +40,10 @@ class EngineOptions(BaseModel):
     kv_cache_bytes: int = Field(512 * 1024**2, ge=1)
     enable_prefix_caching: bool = True
     seed: int = 0
+    # Backpressure: a request whose reader is this many outputs behind is held (not
+    # scheduled, KV kept); held longer than `hold_timeout_s` it ends as `slow_consumer`.
+    output_queue_size: int = Field(64, ge=2)
+    hold_timeout_s: float = Field(30.0, gt=0)
 
 
 class GrammarOptions(BaseModel):

@@ -53,7 +53,9 @@ class EngineService:
         # Built lazily on the first grammar: engines that never see one never pay for it.
         grammar_cache = CompiledGrammarCache(lambda: load_tokenizer_info(config.model))
         core.on_queue_time = lambda seconds: record_latency("queue", seconds, "engine")
-        self.engine = AsyncEngine(core, grammar_cache.get_constraint)
+        self.engine = AsyncEngine(
+            core, grammar_cache.get_constraint, e.output_queue_size, e.hold_timeout_s
+        )
         self.replica_id = _replica_id()
         self.reporter = StatsReporter(config.model_id, self.replica_id, self._report)
         logger.info(
@@ -72,6 +74,7 @@ class EngineService:
             grammar=grammar,
             priority=request.priority,
             timeout_s=request.timeout_s,
+            attempt=request.attempt,
         ):
             yield out
 

@@ -1,0 +1,74 @@
+"""One request attempt's way out of the engine: its lifecycle phase and a bounded window of
+outputs the consumer has not read yet.
+
+Phases: queued -> running -> (held) -> finished, or cancelling -> released when the
+consumer leaves first. Only the event loop touches an OutputStream; the step thread reaches
+it through `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from enum import StrEnum
+
+from actors.outputs import RequestOutput
+
+
+class Phase(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    # The consumer fell `capacity` outputs behind: not scheduled, KV kept.
+    HELD = "held"
+    FINISHED = "finished"
+    # The consumer left before the end: the abort is on its way to the step thread.
+    CANCELLING = "cancelling"
+    # The engine confirmed the abort: its blocks are free, nothing more will arrive.
+    RELEASED = "released"
+
+
+class OutputStream:
+    """A FIFO of RequestOutputs with a high-water mark.
+
+    Pushing never blocks (the step thread must not wait on a slow reader): `push` reports
+    when the window just filled so the caller can hold the request, and `pop` reports when
+    it drained to half so the caller can resume it. One extra step's output may land after
+    the hold (the step in flight), so the window overshoots by at most one item per step.
+    """
+
+    def __init__(self, request_id: str, attempt: int, capacity: int):
+        self.request_id = request_id
+        self.attempt = attempt
+        self.capacity = capacity
+        self.phase = Phase.QUEUED
+        self._items: deque[RequestOutput] = deque()
+        self._ready = asyncio.Event()
+        self.held_at: float | None = None
+        self.hold_timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def is_open(self) -> bool:
+        return self.phase not in (Phase.FINISHED, Phase.CANCELLING, Phase.RELEASED)
+
+    def push(self, out: RequestOutput) -> bool:
+        """Queue one output; True when the request should now be held."""
+        self._items.append(out)
+        self._ready.set()
+        if out.finished:
+            self.phase = Phase.FINISHED
+            return False
+        if self.phase is Phase.QUEUED:
+            self.phase = Phase.RUNNING
+        return self.phase is Phase.RUNNING and len(self._items) >= self.capacity
+
+    async def pop(self) -> tuple[RequestOutput, bool]:
+        """The next output, and True when a held request may resume."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        out = self._items.popleft()
+        resume = self.phase is Phase.HELD and len(self._items) <= self.capacity // 2
+        return out, resume
