@@ -9,13 +9,14 @@ one). Draining is a flag in the same registry that the ingress consults before a
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 import time
 from typing import Any
 
 import ray
+
+from serve_app.auth import KeyRing, KeysFile, authorize_admin
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class StatsReporter:
             registry.forget.remote(self.replica_id)
 
 
-def build_admin_app(registry, api_key: str | None):
+def build_admin_app(registry, api_key: str | None, keys: KeysFile | None = None):
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
@@ -114,12 +115,10 @@ def build_admin_app(registry, api_key: str | None):
 
     from serve_app import errors
 
+    keyring = KeyRing(keys) if keys is not None else None
+
     def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise errors.invalid_api_key("A valid admin key is required.")
+        authorize_admin(request.headers.get("authorization"), api_key, keyring)
 
     async def stats(request: Request) -> JSONResponse:
         authorize(request)
@@ -156,11 +155,18 @@ def build_admin_app(registry, api_key: str | None):
 class AdminServer:
     """A Ray actor serving the admin app with uvicorn on its own port."""
 
-    def __init__(self, model_id: str, host: str, port: int, api_key: str | None):
+    def __init__(
+        self,
+        model_id: str,
+        host: str,
+        port: int,
+        api_key: str | None,
+        keys: KeysFile | None = None,
+    ):
         import uvicorn
 
         registry = get_or_create_registry(model_id)
-        app = build_admin_app(registry, api_key)
+        app = build_admin_app(registry, api_key, keys)
         self.server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
         )
@@ -174,7 +180,9 @@ class AdminServer:
         return bool(self.server.started)
 
 
-def start_admin(model_id: str, host: str, port: int, api_key: str | None):
+def start_admin(
+    model_id: str, host: str, port: int, api_key: str | None, keys: KeysFile | None = None
+):
     """Start the registry and the admin server; returns the server actor (kill it to stop)."""
     get_or_create_registry(model_id)
     # NOTE: on the head node, like the HTTP proxy: a loopback bind must be the head's loopback.
@@ -182,7 +190,7 @@ def start_admin(model_id: str, host: str, port: int, api_key: str | None):
     actor = (
         ray.remote(AdminServer)
         .options(num_cpus=0, resources=head)
-        .remote(model_id, host, port, api_key)
+        .remote(model_id, host, port, api_key, keys)
     )
     if not ray.get(actor.ready.remote()):
         raise RuntimeError(f"admin server did not start on {host}:{port}")

@@ -18,6 +18,7 @@ allowed); the config refuses a non-loopback bind in that case.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -206,4 +207,23 @@ def require_profile(principal: Principal, name: str) -> None:
     if not principal.can_use_profile(name):
         raise errors.permission_denied(
             "profile_not_permitted", f"This API key may not use the profile '{name}'."
+        )
+
+
+def authorize_admin(
+    authorization: str | None, admin_key: str | None, keyring: KeyRing | None
+) -> None:
+    """The admin API's check: open when neither an admin key nor API keys are configured;
+    otherwise the admin key, or an API key with the admin permission (403 without it)."""
+    if admin_key is None and keyring is None:
+        return
+    token = bearer_token(authorization)
+    is_admin_key = admin_key is not None and token is not None
+    if is_admin_key and hmac.compare_digest(token.encode(), admin_key.encode()):
+        return
+    if keyring is None:
+        raise errors.invalid_api_key("A valid admin key is required.")
+    if not keyring.authenticate(authorization).is_admin:
+        raise errors.permission_denied(
+            "admin_not_permitted", "This API key does not have the admin permission."
         )
