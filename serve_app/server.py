@@ -48,7 +48,11 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     global _ADMIN
     serve.start(http_options={"host": config.host, "port": config.port})
     _ADMIN = start_admin(
-        config.model_id, config.admin_host, config.admin_port, config.admin_api_key
+        config.model_id,
+        config.admin_host,
+        config.admin_port,
+        config.admin_api_key,
+        config.api_keys,
     )
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
