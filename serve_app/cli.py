@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_model(subparsers)
     _add_serve(subparsers)
     _add_batch(subparsers)
+    _add_hash_key(subparsers)
     return parser
 
 
@@ -158,6 +159,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serve_app.server import run_forever
 
     run_forever(config)
+    return 0
+
+
+# ---------------------------------------------------------------- hash-key
+
+
+def _add_hash_key(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "hash-key",
+        help="print the SHA-256 of an API key, for the keys file",
+        description="Print the SHA-256 hash that the keys file stores for an API key. The key "
+        "is read from standard input (so it stays out of shell history), or made with --new.",
+    )
+    parser.add_argument(
+        "--new", action="store_true", help="make a new random key; print it and its hash"
+    )
+    parser.set_defaults(handler=cmd_hash_key)
+
+
+def cmd_hash_key(args: argparse.Namespace) -> int:
+    from serve_app.auth import generate_key, hash_key
+
+    if args.new:
+        key = generate_key()
+        print(f"key: {key}")
+        print(f"sha256: {hash_key(key)}")
+        return 0
+    key = sys.stdin.readline().strip()
+    if not key:
+        return _fail("hash-key", "no key on standard input (or pass --new)")
+    print(hash_key(key))
     return 0
 
 
