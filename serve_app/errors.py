@@ -12,13 +12,17 @@ HTTP status (OpenAI's names where OpenAI has one); `code` names the exact cause.
 |        |                         |                               | context_length_exceeded,     |
 |        |                         |                               | max_tokens_exceeded,         |
 |        |                         |                               | deadline_too_short,          |
-|        |                         |                               | request_limit_exceeded       |
+|        |                         |                               | request_limit_exceeded,      |
+|        |                         |                               | model_not_allowed,           |
+|        |                         |                               | output_format_not_allowed    |
 | 401    | authentication_error    | fix credentials               | invalid_api_key              |
 | 403    | permission_error        | fix credentials / permissions | model_not_permitted,         |
 |        |                         |                               | profile_not_permitted,       |
 |        |                         |                               | admin_not_permitted          |
 | 404    | not_found_error         | stop (it does not exist)      | model_not_found,             |
-|        |                         |                               | generation_not_found         |
+|        |                         |                               | generation_not_found,        |
+|        |                         |                               | conversation_not_found,      |
+|        |                         |                               | profile_not_found            |
 | 409    | conflict_error          | stop retrying this id         | request_id_in_use,           |
 |        |                         |                               | idempotency_key_reused,      |
 |        |                         |                               | stale_revision               |
@@ -139,6 +143,11 @@ def request_limit_exceeded(limit: str, value: int, bound: int, param: str | None
     return APIError(400, "request_limit_exceeded", message, param=param)
 
 
+def profile_mismatch(code: str, message: str, param: str) -> APIError:
+    """A generation asks for a model or output format its profile does not offer."""
+    return APIError(400, code, message, param=param)
+
+
 def deadline_too_short(message: str, param: str | None = "timeout") -> APIError:
     return APIError(400, "deadline_too_short", message, param=param)
 
@@ -225,6 +234,8 @@ TAXONOMY: list[dict[str, Any]] = [
             "unknown_parameter",
             "unsupported_parameter",
             "invalid_grammar",
+            "model_not_allowed",
+            "output_format_not_allowed",
         ],
     },
     {
@@ -249,7 +260,12 @@ TAXONOMY: list[dict[str, Any]] = [
         "type": ERROR_TYPES[404],
         "client_action": "none: the resource does not exist for this caller",
         "should_retry": False,
-        "codes": ["model_not_found", "generation_not_found"],
+        "codes": [
+            "model_not_found",
+            "generation_not_found",
+            "conversation_not_found",
+            "profile_not_found",
+        ],
     },
     {
         "class": "conflict",
