@@ -100,7 +100,8 @@ def prefix_cache_ttft(llm: LLM, vocab: int) -> dict:
 def tensor_parallel(path: str, requests) -> dict:
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # address="local": never join another Ray that happens to run on this machine.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         out = {}
         for tp in (1, 2):

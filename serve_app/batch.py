@@ -193,7 +193,7 @@ def _ensure_ray(address: str | None) -> None:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address)  # `ray job submit` sets RAY_ADDRESS for its driver
     else:
-        ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False)
+        ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False)
 
 
 def _select_todo(batch: pa.Table, done: pa.Array, attempts: dict[str, int]) -> pa.Table:

@@ -42,7 +42,8 @@ def ray_session():
     if ray.is_initialized():
         yield ray
         return
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # address="local": never join another Ray that happens to run on this machine.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:
