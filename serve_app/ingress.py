@@ -12,6 +12,7 @@ from starlette.routing import Route
 
 from serve_app import errors
 from serve_app.admin import find_registry
+from serve_app.auth_middleware import admission_middleware
 from serve_app.config import ServeConfig
 from serve_app.metrics import record_outcome
 from serve_app.openai_api import OpenAIHandlers
@@ -70,6 +71,8 @@ class Ingress:
                 Route("/v1/completions", self.openai.completions, methods=["POST"]),
             ],
             exception_handlers={errors.APIError: on_api_error},
+            # Authentication and the body cap come before any route runs.
+            middleware=[admission_middleware(self.config)],
         )
 
     async def health(self, request: Request) -> Response:

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from actors.messages import EngineRequest
 from serve_app import errors
 from serve_app.config import ServeConfig
+from serve_app.limits import reserve_budget
 from serve_app.openai_format import ChoiceState, Formatter
 from serve_app.protocol import Usage, new_id
 from serve_app.token_text import TokenTexts
@@ -93,6 +94,7 @@ class Admission:
         request: Request,
     ) -> Job:
         default_max = self.check_lengths(req, prompts, prompt_param)
+        default_max = await reserve_budget(request, req, prompts, default_max, prompt_param)
         req.check_common(req.requested_max_tokens() or default_max)
         params = req.to_sampling_params(default_max)
         grammar = await self.start_grammar(req)

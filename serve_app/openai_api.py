@@ -13,7 +13,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from actors.outputs import RequestOutput
 from serve_app import errors
+from serve_app.auth import principal_of
 from serve_app.config import ServeConfig
+from serve_app.limits import check_request
 from serve_app.openai_admission import Admission, Job
 from serve_app.openai_stream import observe_end, stream_sse
 from serve_app.protocol import parse_request
@@ -22,10 +24,6 @@ from serve_app.request_ids import RequestIds
 from serve_app.token_text import TokenTexts
 
 logger = logging.getLogger(__name__)
-
-
-# Until API keys name tenants, every caller shares one identity namespace.
-DEFAULT_TENANT = "default"
 
 
 class OpenAIHandlers:
@@ -57,9 +55,10 @@ class OpenAIHandlers:
         if len(body) > self.config.limits.max_body_bytes:
             raise errors.body_too_large(self.config.limits.max_body_bytes)
         req = self._parse(body, kind)
+        check_request(principal_of(request), req, self.config.limits)
         return await self.request_ids.guard(
             request.headers.get(REQUEST_ID_HEADER),
-            DEFAULT_TENANT,
+            principal_of(request).tenant,
             body,
             bool(req.stream),
             req.include_usage,

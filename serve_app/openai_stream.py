@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from actors.outputs import RequestOutput
 from serve_app import errors
+from serve_app.limits import record_usage
 from serve_app.metrics import record_latency, record_outcome, record_tokens
 from serve_app.openai_admission import Job
 from serve_app.openai_format import ChoiceState
@@ -27,6 +28,7 @@ def observe_end(job: Job, choices: list[ChoiceState], usage: Usage) -> None:
         record_outcome(job.endpoint, c.finish_reason or "unknown")
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     record_tokens(job.endpoint, usage.prompt_tokens, usage.completion_tokens, cached)
+    record_usage(usage.total_tokens)
 
 
 async def stream_sse(merged: Merged, job: Job) -> AsyncIterator[bytes]:

@@ -1,0 +1,276 @@
+"""API keys over HTTP: a second Serve app (tiny llama, its own keys file and admin port) in
+the session's Ray, on its own route prefix. 401 / 403 / 413 / 400 / 429 each name their
+limit; tenants scope request ids; the admin port takes only admin keys; a cancelled stream
+gives its concurrency slot back."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import free_port
+
+from serve_app.auth import hash_key
+
+pytestmark = [pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
+
+MODEL = "keyed-tiny"
+APP = "serve-app-keyed"
+PREFIX = "/keyed"
+LIMITED = {
+    "max_body_bytes": 2048,
+    "max_prompt_tokens": 40,
+    "max_output_tokens": 8,
+    "max_n": 2,
+    "max_stop_sequences": 1,
+    "max_grammar_bytes": 64,
+}
+KEYS = {
+    "key-alpha": {"id": "alpha", "tenant": "alpha"},
+    "key-beta": {"id": "beta", "tenant": "beta"},
+    "key-nomodel": {"id": "nomodel", "tenant": "alpha", "models": ["some-other-model"]},
+    "key-limited": {"id": "limited", "tenant": "alpha", "limits": LIMITED},
+    "key-conc": {"id": "conc", "tenant": "alpha", "limits": {"max_concurrent_requests": 1}},
+    "key-rate": {"id": "rate", "tenant": "alpha", "limits": {"tokens_per_minute": 200}},
+    "key-admin": {"id": "ops", "tenant": "ops", "admin": True},
+}
+
+
+@dataclass(frozen=True)
+class Keyed:
+    url: str
+    admin_url: str
+
+
+@pytest.fixture(scope="module")
+def keyed(serve_url, ray_session, model_dirs, tmp_path_factory) -> Keyed:
+    from ray import serve
+
+    from serve_app.admin import start_admin
+    from serve_app.app import build_app
+    from serve_app.config import ServeConfig
+    from serve_app.server import wait_healthy
+
+    path: Path = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    entries = [{"sha256": hash_key(key), **entry} for key, entry in KEYS.items()]
+    path.write_text(yaml.safe_dump({"keys": entries}))
+    config = ServeConfig(
+        model=str(model_dirs("llama")),
+        served_model_name=MODEL,
+        api_keys_file=str(path),
+        admin_port=free_port(),
+        engine={"kv_cache_bytes": 32 * 1024**2},
+    )
+    admin = start_admin(
+        config.model_id, config.admin_host, config.admin_port, None, config.api_keys
+    )
+    url = f"{serve_url}{PREFIX}"
+    try:
+        serve.run(build_app(config), name=APP, route_prefix=PREFIX, blocking=False)
+        wait_healthy(url, timeout_s=180)
+        yield Keyed(url, f"http://127.0.0.1:{config.admin_port}")
+    finally:
+        ray_session.kill(admin)
+        serve.delete(APP)
+
+
+def post(keyed: Keyed, key: str | None, body: dict | bytes, **kwargs) -> httpx.Response:
+    headers = kwargs.pop("headers", {})
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    content = body if isinstance(body, bytes) else None
+    return httpx.post(
+        f"{keyed.url}/v1/chat/completions",
+        json=None if content is not None else body,
+        content=content,
+        headers=headers,
+        timeout=120,
+        **kwargs,
+    )
+
+
+def chat(content: str = "hi", **fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
+
+
+def error_of(r: httpx.Response) -> dict:
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    return r.json()["error"]
+
+
+# --------------------------------------------------------------------------- 401 / 403
+
+
+def test_missing_or_wrong_key_is_401_and_health_stays_open(keyed: Keyed):
+    import openai
+
+    for key in (None, "key-wrong"):
+        r = post(keyed, key, chat(max_tokens=2))
+        assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+        assert r.headers["x-should-retry"] == "false"
+    r = httpx.get(f"{keyed.url}/v1/models")
+    assert r.status_code == 401
+    assert httpx.get(f"{keyed.url}/health").status_code == 200
+    client = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="key-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    good = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="key-alpha", max_retries=0)
+    out = good.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3
+    )
+    assert out.usage.completion_tokens >= 1
+
+
+def test_a_model_the_key_may_not_use_is_403(keyed: Keyed):
+    r = post(keyed, "key-nomodel", chat(max_tokens=2))
+    assert r.status_code == 403
+    assert error_of(r)["code"] == "model_not_permitted" and MODEL in error_of(r)["message"]
+
+
+def test_admin_port_takes_only_keys_with_the_admin_permission(keyed: Keyed):
+    stats = f"{keyed.admin_url}/admin/v1/stats"
+    assert httpx.get(stats).status_code == 401
+    r = httpx.get(stats, headers={"Authorization": "Bearer key-alpha"})
+    assert r.status_code == 403 and error_of(r)["code"] == "admin_not_permitted"
+    r = httpx.get(stats, headers={"Authorization": "Bearer key-admin"})
+    assert r.status_code == 200 and "kv_blocks_total" in r.json()["total"]
+    # The admin API is never routed on the public port, whatever the key.
+    r = httpx.get(f"{keyed.url}/admin/v1/stats", headers={"Authorization": "Bearer key-admin"})
+    assert r.status_code == 404
+
+
+# ------------------------------------------------------------------------ 413 / 400
+
+
+def test_a_body_over_the_key_limit_is_413_also_when_chunked(keyed: Keyed):
+    big = chat("word " * 600, max_tokens=2)
+    r = post(keyed, "key-limited", big)
+    assert r.status_code == 413 and error_of(r)["code"] == "body_too_large"
+    assert "2048 bytes" in error_of(r)["message"]
+    raw = json.dumps(big).encode()
+
+    def chunks():
+        for i in range(0, len(raw), 512):
+            yield raw[i : i + 512]
+
+    r = httpx.post(
+        f"{keyed.url}/v1/chat/completions",
+        content=chunks(),
+        headers={"Authorization": "Bearer key-limited", "content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 413 and error_of(r)["code"] == "body_too_large"
+    # The same body is fine for a key without that limit (server limit: 4 MiB).
+    assert post(keyed, "key-alpha", big).status_code == 200
+
+
+SCHEMA = {"type": "object", "properties": {"a_rather_long_property": {"type": "string"}}}
+LIMIT_CASES = [
+    (chat(n=3, max_tokens=2), "request_limit_exceeded", "max_n", "n"),
+    (chat(max_tokens=9), "max_tokens_exceeded", "max_output_tokens", "max_tokens"),
+    (chat(stop=["a", "b"], max_tokens=2), "request_limit_exceeded", "max_stop_sequences", "stop"),
+    (chat("one two " * 40, max_tokens=2), "context_length_exceeded", "max_prompt_tokens", None),
+    (
+        chat(
+            max_tokens=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
+        ),
+        "request_limit_exceeded",
+        "max_grammar_bytes",
+        "response_format.json_schema.schema",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "code", "limit", "param"), LIMIT_CASES)
+def test_each_request_limit_is_400_naming_the_limit(keyed: Keyed, body, code, limit, param):
+    r = post(keyed, "key-limited", body)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["code"] == code and limit in err["message"]
+    if param is not None:
+        assert err["param"] == param
+    assert r.headers["x-should-retry"] == "false"
+    # The same request passes for a key without these limits.
+    assert post(keyed, "key-alpha", body).status_code == 200
+
+
+def test_output_defaults_to_the_key_cap_when_max_tokens_is_not_given(keyed: Keyed):
+    r = post(keyed, "key-limited", chat(ignore_eos=True))
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == LIMITED["max_output_tokens"]
+
+
+# ------------------------------------------------------------------------------- 429
+
+
+def ledger_usage(key_id: str) -> dict[str, int]:
+    import ray
+
+    from serve_app.limits import LEDGER_NAMESPACE, ledger_name
+
+    ledger = ray.get_actor(ledger_name(MODEL), namespace=LEDGER_NAMESPACE)
+    return ray.get(ledger.usage.remote(key_id))
+
+
+def test_concurrency_limit_is_429_and_a_cancelled_stream_releases_its_slot(keyed: Keyed):
+    long = chat("tell me", max_tokens=900, ignore_eos=True, stream=True)
+    headers = {"Authorization": "Bearer key-conc"}
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream(
+            "POST", f"{keyed.url}/v1/chat/completions", json=long, headers=headers
+        ) as stream,
+    ):
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        seen = [next(lines) for _ in range(4)]
+        assert not any("[DONE]" in line for line in seen)
+        second = post(keyed, "key-conc", chat(max_tokens=2))
+        assert second.status_code == 429, second.text
+        err = error_of(second)
+        assert err["code"] == "concurrency_limit" and "max_concurrent_requests" in err["message"]
+        assert int(second.headers["retry-after"]) >= 1
+        assert ledger_usage("conc")["live_requests"] == 1
+        # Leaving the block closes the connection mid-stream: the server cancels it.
+    deadline = time.monotonic() + 20
+    while ledger_usage("conc")["live_requests"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    usage = ledger_usage("conc")
+    assert usage["live_requests"] == 0 and usage["reserved_tokens"] == 0
+    # The cancelled request is still charged (its prompt at least).
+    assert 0 < usage["spent_tokens"] < 900  # the prompt, not a finished 900-token answer
+    assert post(keyed, "key-conc", chat(max_tokens=2)).status_code == 200
+
+
+def test_token_rate_limit_is_429_with_retry_after_and_counts_measured_usage(keyed: Keyed):
+    first = post(keyed, "key-rate", chat(max_tokens=60, ignore_eos=True))
+    assert first.status_code == 200
+    used = first.json()["usage"]["total_tokens"]
+    assert ledger_usage("rate") == {"live_requests": 0, "reserved_tokens": 0, "spent_tokens": used}
+    r = post(keyed, "key-rate", chat(max_tokens=200 - used, ignore_eos=True))
+    assert r.status_code == 429, r.text
+    err = error_of(r)
+    assert err["code"] == "token_rate_limit" and "tokens_per_minute" in err["message"]
+    assert 1 <= int(r.headers["retry-after"]) <= 60
+    assert r.headers["x-should-retry"] == "true"
+
+
+# ----------------------------------------------------------------------------- tenants
+
+
+def test_request_ids_are_scoped_to_the_tenant(keyed: Keyed):
+    rid = {"X-Request-Id": f"shared-{time.time_ns()}"}
+    a = post(keyed, "key-alpha", chat("first", max_tokens=2), headers=dict(rid))
+    assert a.status_code == 200
+    # Another tenant's request with the same id is its own request, not a conflict.
+    b = post(keyed, "key-beta", chat("second", max_tokens=3), headers=dict(rid))
+    assert b.status_code == 200 and b.json()["id"] != a.json()["id"]
+    # Within one tenant the id is taken: a different body is a conflict.
+    again = post(keyed, "key-alpha", chat("second", max_tokens=3), headers=dict(rid))
+    assert again.status_code == 409
