@@ -14,6 +14,7 @@ from serve_app import errors
 from serve_app.admin import find_registry
 from serve_app.auth_middleware import admission_middleware
 from serve_app.config import ServeConfig
+from serve_app.generations_api import GenerationsAPI
 from serve_app.metrics import record_outcome
 from serve_app.openai_api import OpenAIHandlers
 from serve_app.server_info import server_info
@@ -34,6 +35,9 @@ class Ingress:
         self.identity = identity
         self.created = int(time.time())
         self.openai = OpenAIHandlers(
+            config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit
+        )
+        self.generations = GenerationsAPI(
             config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit
         )
         self._registry = None
@@ -69,6 +73,7 @@ class Ingress:
                 Route("/v1/server_info", self.server_info, methods=["GET"]),
                 Route("/v1/chat/completions", self.openai.chat, methods=["POST"]),
                 Route("/v1/completions", self.openai.completions, methods=["POST"]),
+                *self.generations.routes(),
             ],
             exception_handlers={errors.APIError: on_api_error},
             # Authentication and the body cap come before any route runs.

@@ -15,7 +15,7 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TEXT_FORMAT = "text"
-REFUSAL_MAX_CHARS = 500
+REFUSAL_MAX_CHARS = 200
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 # Fixtures shared by the grammar test modules.
-pytest_plugins = ["grammar_fixtures"]
+pytest_plugins = ["grammar_fixtures", "postgres_fixtures"]
 
 # ---------------------------------------------------------------- factory checkpoints
 
@@ -62,8 +62,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def serve_url(ray_session, model_dirs):
+def serve_url(ray_session, model_dirs, tmp_path_factory):
     """The whole graph on the tiny llama, served on a free loopback port for the session."""
+    from generation_fixtures import generation_options
     from ray import serve
 
     from serve_app.admin import start_admin
@@ -72,7 +73,12 @@ def serve_url(ray_session, model_dirs):
     from serve_app.server import wait_healthy
 
     port = free_port()
-    config = ServeConfig(model=str(model_dirs("llama")), port=port, admin_port=free_port())
+    config = ServeConfig(
+        model=str(model_dirs("llama")),
+        port=port,
+        admin_port=free_port(),
+        generations=generation_options(tmp_path_factory.mktemp("data")),
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     admin = start_admin(config.model_id, config.admin_host, config.admin_port, None)
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
