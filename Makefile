@@ -35,10 +35,13 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -q
 
+# Every benchmark, one after the other (each needs the cores to itself); JSON + PNG each.
 bench: $(STAMP)
 	mkdir -p benchmarks/results
 	$(PY) benchmarks/engine.py --out benchmarks/results/engine.json
 	$(PY) benchmarks/serving.py --out benchmarks/results/serving.json
+	$(PY) benchmarks/peer.py --out benchmarks/results/peer.json
+	$(PY) benchmarks/batch.py --out benchmarks/results/batch.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache

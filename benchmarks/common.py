@@ -46,3 +46,51 @@ def write_json(result: dict, out: str | None) -> None:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def venv_tool(name: str) -> str:
+    """A console script installed next to this interpreter (serve-app, transformers)."""
+    import shutil
+    import sys
+
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.is_file() else (shutil.which(name) or name)
+
+
+def text_prompts(
+    model: str, n: int, prompt_range=(64, 256), seed: int = 0
+) -> list[tuple[str, int]]:
+    """`n` text prompts cut from the packaged corpus, with their length in the model's tokens.
+
+    Text (not token ids) so that any OpenAI-compatible server takes the same request set.
+    """
+    from transformers import AutoTokenizer
+
+    from serve_app.model_factory import corpus_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = tokenizer.encode("\n".join(corpus_texts()), add_special_tokens=False)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(*prompt_range)
+        start = rng.randrange(0, len(ids) - length)
+        text = tokenizer.decode(ids[start : start + length])
+        out.append((text, len(tokenizer.encode(text, add_special_tokens=False))))
+    return out

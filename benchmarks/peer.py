@@ -1,0 +1,264 @@
+"""Peer benchmark: our server (`serve-app serve`) vs `transformers serve --continuous-batching`,
+side by side in one run on the same checkpoint and the same requests, at concurrency 1, 4, 16.
+
+Both get the same streamed `/v1/completions` requests with only the fields both accept
+(`model`, `prompt`, `max_tokens`, `temperature: 0`, `stream`): the peer answers unknown fields
+such as `ignore_eos` with 422. Output tokens are counted the same way for both, by encoding the
+streamed text with the checkpoint's tokenizer. The servers run one after the other (never at
+the same time), each with the same number of torch threads. Prints JSON; with --out also writes
+a PNG next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import (  # noqa: E402
+    checkpoint,
+    free_port,
+    percentile,
+    text_prompts,
+    venv_tool,
+    write_json,
+)
+
+TARGET_THROUGHPUT_RATIO_AT_16 = 1.5  # ours / theirs, output tokens/s
+
+
+class ServerProcess:
+    """An HTTP server in its own process group, up once `/health` answers 200."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log_dir: str, env: dict) -> None:
+        self.name = name
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = Path(log_dir) / f"{name}.log"
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f}s; see {self.log}")
+
+    def model_id(self) -> str:
+        return httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # both shut down cleanly on Ctrl-C
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_ours(path: str, threads: int, log_dir: str, env: dict) -> ServerProcess:
+    config = Path(log_dir) / "ours.yaml"
+    config.write_text(json.dumps({"model": path, "engine": {"replica_cpus": threads}}))
+    port = free_port()
+    argv = [venv_tool("serve-app"), "serve", "--config", str(config), "--port", str(port)]
+    argv += ["--admin-port", str(free_port())]
+    return ServerProcess("ours", argv, port, log_dir, env)
+
+
+def start_theirs(path: str, log_dir: str, env: dict) -> ServerProcess:
+    port = free_port()
+    argv = [venv_tool("transformers"), "serve", path, "--continuous-batching", "--device", "cpu"]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    return ServerProcess("theirs", argv, port, log_dir, env)
+
+
+async def one_request(client, url, model, prompt, max_tokens, tokenizer) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
+    body |= {"temperature": 0, "stream": True}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    pieces: list[str] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: error frame {chunk['error']}")
+            text = chunk["choices"][0].get("text") if chunk.get("choices") else None
+            if text:
+                stamps.append(time.perf_counter())
+                pieces.append(text)
+    if not stamps:
+        stamps = [time.perf_counter()]
+    return {
+        "ttft": stamps[0] - start,
+        "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+        "chunks": len(pieces),
+        "tokens": len(tokenizer.encode("".join(pieces), add_special_tokens=False)),
+    }
+
+
+async def run_level(url, model, requests, concurrency, max_tokens, tokenizer) -> dict:
+    """`requests` through `concurrency` closed-loop clients; latency percentiles and tokens/s."""
+    queue = list(requests)
+    results: list[dict] = []
+    async with httpx.AsyncClient(timeout=900) as client:
+
+        async def worker() -> None:
+            while queue:
+                prompt, _ = queue.pop(0)
+                results.append(await one_request(client, url, model, prompt, max_tokens, tokenizer))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+    ttft = [r["ttft"] for r in results]
+    itl = [x for r in results for x in r["itl"]]
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "output_tok_s": tokens / seconds,
+        "tokens_per_chunk": tokens / max(1, sum(r["chunks"] for r in results)),
+        "ttft_ms": {"p50": percentile(ttft, 50) * 1e3, "p99": percentile(ttft, 99) * 1e3},
+        "itl_ms": {"p50": percentile(itl, 50) * 1e3, "p99": percentile(itl, 99) * 1e3},
+    }
+
+
+def sweep(server: ServerProcess, requests, levels, per_level, max_tokens, tokenizer) -> list:
+    server.wait_healthy(timeout_s=600)
+    model = server.model_id()
+    # Warm-up: first-request costs (lazy init, allocator growth) are not what we compare.
+    asyncio.run(run_level(server.url, model, requests[:4], 4, max_tokens, tokenizer))
+    out = []
+    for c in levels:
+        chosen = requests[: per_level(c)]
+        out.append(asyncio.run(run_level(server.url, model, chosen, c, max_tokens, tokenizer)))
+        print(f"{server.name} c={c}: {out[-1]['output_tok_s']:.1f} tok/s", file=sys.stderr)
+    return out
+
+
+def ratios(ours: list[dict], theirs: list[dict]) -> list[dict]:
+    rows = []
+    for a, b in zip(ours, theirs, strict=True):
+        rows.append(
+            {
+                "concurrency": a["concurrency"],
+                "output_tok_s": a["output_tok_s"] / b["output_tok_s"],
+                "ttft_p50": a["ttft_ms"]["p50"] / b["ttft_ms"]["p50"],
+                "ttft_p99": a["ttft_ms"]["p99"] / b["ttft_ms"]["p99"],
+                "itl_p50": a["itl_ms"]["p50"] / b["itl_ms"]["p50"],
+                "itl_p99": a["itl_ms"]["p99"] / b["itl_ms"]["p99"],
+            }
+        )
+    return rows
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for side, label in (("ours", "serve-app"), ("theirs", "transformers serve (CB)")):
+        levels = result[side]
+        xs = [lv["concurrency"] for lv in levels]
+        (line,) = axes[0].plot(xs, [lv["output_tok_s"] for lv in levels], marker="o", label=label)
+        for ax, key in ((axes[1], "ttft_ms"), (axes[2], "itl_ms")):
+            color = line.get_color()
+            ax.plot(xs, [lv[key]["p50"] for lv in levels], marker="o", color=color, label=label)
+            ax.plot(xs, [lv[key]["p99"] for lv in levels], ls="--", color=color)
+    titles = ("output tokens/s", "TTFT ms (p50 solid, p99 dashed)", "ITL ms (p50, p99)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.legend(fontsize=8)
+    axes[1].set_yscale("log")
+    fig.suptitle(f"same checkpoint ({result['checkpoint']}), same requests, CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="1,4,16")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for each server")
+    parser.add_argument("--quick", action="store_true", help="tiny checkpoint, few requests")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    preset = "tiny" if args.quick else "bench"
+    levels = [int(x) for x in args.levels.split(",")]
+    max_tokens = 16 if args.quick else args.max_tokens
+    per_level = (lambda c: max(c, 4)) if args.quick else (lambda c: max(2 * c, 8))
+    path = checkpoint("llama", preset)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    requests = text_prompts(path, max(per_level(c) for c in levels + [4]))
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    env.pop("RAY_ADDRESS", None)  # ours starts its own local Ray
+    result: dict = {"checkpoint": f"llama-{preset}", "threads": args.threads}
+    with tempfile.TemporaryDirectory(prefix="peer-bench-") as log_dir:
+        for side, start in (
+            ("ours", lambda: start_ours(path, args.threads, log_dir, env)),
+            ("theirs", lambda: start_theirs(path, log_dir, env)),
+        ):
+            server = start()
+            try:
+                result[side] = sweep(server, requests, levels, per_level, max_tokens, tokenizer)
+            finally:
+                server.stop()
+    result["requests"] = {
+        "prompt_tokens_min_max": [min(n for _, n in requests), max(n for _, n in requests)],
+        "max_tokens": max_tokens,
+        "per_level": {str(c): per_level(c) for c in levels},
+        "fields": ["model", "prompt", "max_tokens", "temperature=0", "stream"],
+        "token_count": "streamed text encoded with the checkpoint's tokenizer",
+    }
+    result["ours_over_theirs"] = ratios(result["ours"], result["theirs"])
+    at_max = result["ours_over_theirs"][-1]
+    result["targets"] = {
+        "concurrency": at_max["concurrency"],
+        "output_tok_s_ratio": at_max["output_tok_s"],
+        "output_tok_s_target": f">= {TARGET_THROUGHPUT_RATIO_AT_16}",
+        "ttft_p50_ratio": at_max["ttft_p50"],
+        "ttft_p50_target": "< 1.0",
+        "met": at_max["output_tok_s"] >= TARGET_THROUGHPUT_RATIO_AT_16 and at_max["ttft_p50"] < 1.0,
+    }
+    write_json(result, args.out)
+    if args.out:
+        plot(result, os.path.splitext(args.out)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()
