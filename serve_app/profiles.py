@@ -66,8 +66,8 @@ class GenerationOptions(BaseModel):
     profiles: tuple[Profile, ...] = ()
     # Named JSON Schemas a profile may offer as output formats.
     output_formats: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    # Where the default SQLite store lives (when `store` is not set).
-    data_dir: str = "./serve-app-data"
+    # Where the default SQLite store lives (when `store` is not set); "~" is expanded.
+    data_dir: str = "~/.local/share/serve-app"
     # Finished generations and idle conversations are kept this long, then purged.
     retention_s: float = Field(24 * 3600.0, gt=0)
     idempotency_ttl_s: float = Field(24 * 3600.0, gt=0)

@@ -489,7 +489,7 @@ def open_store(url: str | None, data_dir: str | Path, clock: Clock = time.time) 
     """`None` or `sqlite:///PATH` -> SQLiteStore (default: DATA_DIR/serve-app.sqlite3);
     `postgresql://...` -> PostgresStore."""
     if url is None:
-        return SQLiteStore(Path(data_dir) / "serve-app.sqlite3", clock)
+        return SQLiteStore(Path(data_dir).expanduser() / "serve-app.sqlite3", clock)
     if url.startswith("sqlite:///"):
         return SQLiteStore(url.removeprefix("sqlite:///"), clock)
     if url.startswith(("postgresql://", "postgres://")):
