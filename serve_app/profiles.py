@@ -152,3 +152,31 @@ def format_instructions(name: str, schema: dict[str, Any]) -> str:
         f"{json.dumps(schema, separators=(',', ':'))}. If you must decline, answer "
         '{"refusal": "<why>"} instead.'
     )
+
+
+def generations_info(options: GenerationOptions, store_url: str | None) -> dict[str, Any]:
+    """The generations API's promises, for /v1/server_info (instructions stay private)."""
+    backend = "sqlite" if store_url is None or store_url.startswith("sqlite") else "postgresql"
+    return {
+        "profiles": [
+            {
+                "name": p.name,
+                "version": p.version,
+                "models": list(p.models),
+                "output_formats": list(p.output_formats),
+                "default_max_output_tokens": p.default_max_output_tokens,
+                "max_output_tokens": p.max_output_tokens,
+                "input_budget_tokens": p.input_budget_tokens,
+            }
+            for p in options.profiles
+        ],
+        "output_formats": options.output_formats,
+        "refusal_branch": refusal_schema(),
+        "executions": ["sync", "stream", "background"],
+        "stream_events": ["generation.created", "output.delta", "generation.finished"],
+        "deadline_s": options.deadline_s,
+        "retention_s": options.retention_s,
+        "idempotency_ttl_s": options.idempotency_ttl_s,
+        "context_overflow": "rejected: 422 context_length_exceeded naming the budget",
+        "store": backend,
+    }

@@ -6,6 +6,7 @@ from typing import Any
 
 from serve_app import errors
 from serve_app.config import ServeConfig
+from serve_app.profiles import generations_info
 
 # Fields that change nothing here: accepted and ignored (never one that changes output).
 IGNORED_FIELDS = ["user", "metadata", "store", "service_tier"]
@@ -60,7 +61,13 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
         "token_id_prompts": "special tokens are not added to token-id prompts",
         "disconnect_policy": {
             "openai": "a request is cancelled when its client disconnects",
+            "generations": (
+                "never cancelled by a disconnect: a generation runs to its end or its deadline "
+                "(generations.deadline_s) and stays retrievable; a stalled stream reader is "
+                "detached; only POST /v1/generations/{id}/cancel cancels"
+            ),
         },
+        "generations": generations_info(config.generations, config.store),
         "determinism": (
             "a per-request seed gives the same tokens regardless of batch mates on CPU fp32; "
             "best effort on GPU in bf16"
