@@ -314,3 +314,14 @@ def test_expired_resources_are_gone(serve_url):
     finally:
         store.close()
     assert httpx.get(f"{serve_url}/v1/generations/{gid}").status_code == 404
+
+
+def test_server_info_states_the_generation_policies(serve_url):
+    info = httpx.get(f"{serve_url}/v1/server_info").json()
+    assert "never cancelled by a disconnect" in info["disconnect_policy"]["generations"]
+    gens = info["generations"]
+    assert gens["deadline_s"] > 0 and gens["retention_s"] == 24 * 3600
+    names = {p["name"]: p for p in gens["profiles"]}
+    assert names["support_draft"]["output_formats"] == ["support_draft_v1", "text"]
+    assert gens["output_formats"]["support_draft_v1"] == SUPPORT_DRAFT_V1
+    assert "instructions" not in json.dumps(gens)  # the profile's prompt stays private

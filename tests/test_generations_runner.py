@@ -54,7 +54,7 @@ class FakeStream:
         await asyncio.sleep(self.delay_s)
         if self.is_cancelled:
             raise asyncio.CancelledError
-        if self.error is not None:
+        if self.error is not None and not self.steps:
             return RequestOutput("r", [], [], 0, True, error=self.error, error_code="engine_error")
         if not self.steps:
             raise StopAsyncIteration
@@ -163,6 +163,24 @@ def test_engine_error_fails_with_its_code(store: SQLiteStore) -> None:
     final = asyncio.run(run_to_end(runner, plan()))
     assert final.status == "failed"
     assert final.data["error"] == {"code": "engine_error", "message": "worker died"}
+
+
+def test_a_failure_after_output_began_ends_the_stream_with_failed(store: SQLiteStore) -> None:
+    runner = runner_for(store, FakeEngine([("par", None), ("tial", None)], error="worker died"))
+
+    async def scenario() -> list[Any]:
+        _, live = await runner.submit(plan(), subscribe=True)
+        await live.done
+        sub = live.subscribers[0]
+        return [sub.queue.get_nowait() for _ in range(sub.queue.qsize())]
+
+    events = asyncio.run(scenario())
+    assert [e.kind for e in events] == ["delta", "delta", "finished"]
+    end = events[-1].data
+    assert (end["status"], end["finish_reason"]) == ("failed", "error")
+    assert end["error"]["code"] == "engine_error" and end["output"] == []
+    assert end["usage"] == {**end["usage"], "output_tokens": 7, "kind": "final"}
+    assert store.get_generation("t1", "gen_1").status == "failed"  # saved before the event
 
 
 def test_cancel_stops_the_engine_and_is_idempotent(store: SQLiteStore) -> None:
