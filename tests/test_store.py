@@ -25,7 +25,7 @@ from serve_app.store import (
     TurnAppend,
 )
 
-BACKENDS = ["sqlite"]
+BACKENDS = ["sqlite", "postgresql"]
 
 
 class FakeClock:
@@ -50,10 +50,16 @@ def open_backend(
 ) -> Iterator[Opener]:
     """A factory of Stores on one backing storage, all on `clock`; closes what it opened."""
     opened: list[Store] = []
+    # A fresh database on the session's PostgreSQL server (tests/postgres_fixtures.py).
+    pg_url = request.getfixturevalue("postgres_url") if request.param == "postgresql" else ""
 
     def open_one() -> Store:
         if request.param == "sqlite":
             store: Store = SQLiteStore(tmp_path / "store.sqlite3", clock)
+        elif request.param == "postgresql":
+            from serve_app.store_postgres import PostgresStore
+
+            store = PostgresStore(pg_url, clock)
         else:  # pragma: no cover - each backend adds its branch
             raise AssertionError(request.param)
         opened.append(store)
