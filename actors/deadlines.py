@@ -44,22 +44,52 @@ class CostModel:
         return (tokens_ahead + own_tokens) * self.seconds_per_token + self.seconds_per_step
 
 
+@dataclass(frozen=True)
+class DeadlineConfig:
+    """Server-side bounds that apply whatever the client asks."""
+
+    # Total time of a request that names no deadline of its own (None: unbounded).
+    default_timeout_s: float | None = 600.0
+    # Longest wait before the first token; past it a still-queued request ends as
+    # `deadline_unmeetable` (None: unbounded).
+    max_queue_s: float | None = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("default_timeout_s", "max_queue_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}: must be > 0 or None, got {value}")
+
+
 @dataclass
 class DeadlineTracker:
     deadlines: dict[str, float] = field(default_factory=dict)
+    # When each request must have produced its first token by.
+    queue_deadlines: dict[str, float] = field(default_factory=dict)
 
-    def add(self, request_id: str, timeout_s: float | None) -> None:
+    def add(self, request_id: str, timeout_s: float | None, max_queue_s: float | None) -> None:
+        now = time.monotonic()
         if timeout_s is not None:
-            self.deadlines[request_id] = time.monotonic() + timeout_s
+            self.deadlines[request_id] = now + timeout_s
+        if max_queue_s is not None:
+            self.queue_deadlines[request_id] = now + max_queue_s
 
     def discard(self, request_id: str) -> None:
         self.deadlines.pop(request_id, None)
+        self.queue_deadlines.pop(request_id, None)
 
     def expired(self) -> list[str]:
-        if not self.deadlines:
-            return []
-        now = time.monotonic()
-        gone = [rid for rid, deadline in self.deadlines.items() if deadline <= now]
-        for rid in gone:
-            del self.deadlines[rid]
-        return gone
+        return _pop_expired(self.deadlines)
+
+    def expired_in_queue(self) -> list[str]:
+        return _pop_expired(self.queue_deadlines)
+
+
+def _pop_expired(deadlines: dict[str, float]) -> list[str]:
+    if not deadlines:
+        return []
+    now = time.monotonic()
+    gone = [rid for rid, deadline in deadlines.items() if deadline <= now]
+    for rid in gone:
+        del deadlines[rid]
+    return gone

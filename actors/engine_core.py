@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from actors.deadlines import CostModel, DeadlineTracker, RequestRejected
+from actors.deadlines import CostModel, DeadlineConfig, DeadlineTracker, RequestRejected
 from actors.detokenizer import IncrementalDetokenizer
 from actors.executor import ExecutorError, make_executor
 from actors.grammar_state import allocate_bitmask
@@ -51,8 +51,10 @@ class EngineCore:
         parallel_config: ParallelConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         seed: int = 0,
+        deadline_config: DeadlineConfig | None = None,
     ):
         self.model_config = model_config
+        self.deadline_config = deadline_config or DeadlineConfig(None, None)
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.tokenizer = tokenizer
@@ -125,8 +127,10 @@ class EngineCore:
                 f"({params.max_tokens}) needs {needed} KV blocks; the cache has "
                 f"{self.block_manager.num_blocks}"
             )
-        if timeout_s is not None:
-            self._veto_hopeless(len(prompt_token_ids), timeout_s)
+        self._veto_hopeless(len(prompt_token_ids), timeout_s)
+        if timeout_s is None:
+            # The server's own bound ends the request (`timeout`); it never vetoes it.
+            timeout_s = self.deadline_config.default_timeout_s
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(
@@ -151,13 +155,17 @@ class EngineCore:
             IncrementalDetokenizer(self.tokenizer, len(prompt_token_ids), params) for _ in seqs
         ]
         self.requests[request_id] = _RequestState(request_id, seqs, detoks)
-        self.deadlines.add(request_id, timeout_s)
+        self.deadlines.add(request_id, timeout_s, self.deadline_config.max_queue_s)
         self.num_requests += 1
 
-    def _veto_hopeless(self, num_prompt_tokens: int, timeout_s: float) -> None:
-        """Refuse before prefill what the measured cost model says cannot make its deadline."""
+    def _veto_hopeless(self, num_prompt_tokens: int, timeout_s: float | None) -> None:
+        """Refuse before prefill what the measured cost model says cannot make its deadline
+        (the client's, or the server's bound on queue time)."""
+        max_queue_s = self.deadline_config.max_queue_s
+        if timeout_s is None and max_queue_s is None:
+            return
         alone = self.cost.time_to_first_token(0, num_prompt_tokens)
-        if alone > timeout_s:
+        if timeout_s is not None and alone > timeout_s:
             raise RequestRejected(
                 "deadline_too_short",
                 f"timeout: {timeout_s:.3f}s is below the ~{alone:.3f}s this prompt needs "
@@ -166,12 +174,20 @@ class EngineCore:
         ahead = sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
         ahead += sum(s.num_uncomputed_tokens - 1 for s in self.scheduler.running)
         estimate = self.cost.time_to_first_token(ahead, num_prompt_tokens)
-        if estimate > timeout_s:
+        if timeout_s is not None and estimate > timeout_s:
             raise RequestRejected(
                 "deadline_unmeetable",
                 f"timeout: the queue ({ahead} tokens ahead) puts the first token at "
                 f"~{estimate:.3f}s, past the {timeout_s:.3f}s deadline",
                 retry_after_s=max(1.0, estimate - timeout_s),
+            )
+        wait = self.cost.time_to_first_token(ahead, 0)
+        if max_queue_s is not None and wait > max_queue_s:
+            raise RequestRejected(
+                "deadline_unmeetable",
+                f"the queue ({ahead} tokens ahead) would hold this request ~{wait:.3f}s, "
+                f"past the server's maximum queue time of {max_queue_s:.3f}s",
+                retry_after_s=max(1.0, wait - max_queue_s),
             )
 
     def set_constraints(self, request_id: str, constraints: list[object]) -> None:
@@ -288,7 +304,13 @@ class EngineCore:
 
     def _expire_deadlines(self) -> None:
         """A request past its deadline ends: `timeout` once it produced output, else it was
-        never going to start in time (`deadline_unmeetable`)."""
+        never going to start in time (`deadline_unmeetable`), as is one still waiting to be
+        scheduled after the server's maximum queue time."""
+        for request_id in self.deadlines.expired_in_queue():
+            state = self.requests.get(request_id)
+            if state is not None and not any(s.num_computed_tokens for s in state.seqs):
+                message = "the request waited longer than the server's maximum queue time"
+                self.abort(request_id, FinishReason.ERROR, message, "deadline_unmeetable")
         for request_id in self.deadlines.expired():
             state = self.requests.get(request_id)
             if state is None:

@@ -44,6 +44,10 @@ class EngineOptions(BaseModel):
     # scheduled, KV kept); held longer than `hold_timeout_s` it ends as `slow_consumer`.
     output_queue_size: int = Field(64, ge=2)
     hold_timeout_s: float = Field(30.0, gt=0)
+    # Server-side deadlines: the total time of a request that names none, and the longest
+    # wait for a first token (past it: 503 deadline_unmeetable). None: unbounded.
+    default_timeout_s: float | None = Field(600.0, gt=0)
+    max_queue_s: float | None = Field(60.0, gt=0)
 
 
 class GrammarOptions(BaseModel):

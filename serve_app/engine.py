@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from actors.async_engine import AsyncEngine
 from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from actors.deadlines import DeadlineConfig
 from actors.engine_core import EngineCore
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
 from actors.messages import EngineRequest
@@ -49,6 +50,7 @@ class EngineService:
             ParallelConfig(e.tensor_parallel_size, e.placement_strategy, e.placement_timeout_s),
             SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens),
             seed=e.seed,
+            deadline_config=DeadlineConfig(e.default_timeout_s, e.max_queue_s),
         )
         # Built lazily on the first grammar: engines that never see one never pay for it.
         grammar_cache = CompiledGrammarCache(lambda: load_tokenizer_info(config.model))

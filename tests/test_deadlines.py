@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from actors import LLM, SamplingParams
-from actors.deadlines import CostModel, RequestRejected
+from actors.deadlines import CostModel, DeadlineConfig, RequestRejected
 
 
 def test_cost_model_tracks_measured_steps():
@@ -75,6 +75,32 @@ def test_deadline_passing_in_the_queue_is_unmeetable(engine):
     time.sleep(0.1)  # the deadline passes before the engine ever schedules it
     (out,) = _drain(engine)["q"]
     assert out.error_code == "deadline_unmeetable" and out.finished
+
+
+def test_server_default_bounds_a_request_that_names_no_deadline(engine):
+    engine.deadline_config = DeadlineConfig(default_timeout_s=1.0, max_queue_s=None)
+    engine.add_request("open", [5, 6, 7], SamplingParams(max_tokens=1000, ignore_eos=True))
+    outs = _drain(engine)["open"]
+    assert outs[-1].deltas[-1].finish_reason == "timeout"
+    assert 0 < sum(len(d.token_ids) for o in outs for d in o.deltas) < 1000
+
+
+def test_server_max_queue_time_vetoes_and_expires_waiting_requests(engine):
+    for i in range(30):
+        engine.add_request(f"bulk{i}", list(range(5, 900)), SamplingParams(max_tokens=2))
+    engine.deadline_config = DeadlineConfig(default_timeout_s=None, max_queue_s=0.05)
+    # The measured cost puts a newcomer's wait past the queue bound: refused at once.
+    with pytest.raises(RequestRejected) as info:
+        engine.add_request("late", [5, 6, 7], SamplingParams(max_tokens=2))
+    assert info.value.code == "deadline_unmeetable" and info.value.retry_after_s >= 1
+    assert "maximum queue time" in str(info.value)
+    # Unmeasured (nothing vetoed), the bound still ends a request that waits past it.
+    engine.cost = CostModel()
+    engine.add_request("late", [5, 6, 7], SamplingParams(max_tokens=2))
+    outs = _drain(engine)
+    assert outs["late"][-1].error_code == "deadline_unmeetable"
+    assert all(o.error_code is None for o in outs["bulk0"])
+    assert engine.stats()["kv_blocks_used"] == 0
 
 
 @pytest.mark.serve
