@@ -13,6 +13,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -41,17 +42,34 @@ def postgres_server() -> Iterator[str]:
         shutil.rmtree(pgdata, ignore_errors=True)
 
 
+def with_database(url: str, name: str) -> str:
+    """`url` (postgresql://...) naming the database `name` instead."""
+    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+
+
+def create_database(server_url: str) -> str:
+    """A new empty database on the server; returns its URL."""
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    return with_database(server_url, name)
+
+
+def drop_database(server_url: str, url: str) -> None:
+    import psycopg
+
+    name = urlsplit(url).path.lstrip("/")
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
 def postgres_url(postgres_server: str) -> Iterator[str]:
     """A fresh, empty database on the session's server (dropped afterwards)."""
-    import psycopg
-    from psycopg.conninfo import make_conninfo
-
-    name = f"t_{uuid.uuid4().hex[:16]}"
-    with psycopg.connect(postgres_server, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
+    url = create_database(postgres_server)
     try:
-        yield make_conninfo(postgres_server, dbname=name)
+        yield url
     finally:
-        with psycopg.connect(postgres_server, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        drop_database(postgres_server, url)
