@@ -284,11 +284,21 @@ class Limiter:
         meter = _METER.get()
         if meter is not None:
             meter.prompt_tokens = prompt_tokens
+        reservation_id = await self.reserve_detached(principal, prompt_tokens, max_new_tokens)
+        if meter is not None and reservation_id is not None:
+            meter.key_id, meter.reservation_id = principal.key_id, reservation_id
+
+    async def reserve_detached(
+        self, principal: Principal, prompt_tokens: int, max_new_tokens: int
+    ) -> str | None:
+        """Like `reserve`, for work that outlives its request (generation resources): the
+        caller keeps the reservation id (None: the key has no budgets) and settles it with
+        `settle_detached` when the work ends."""
         limits = principal.limits
         if principal.key_id is None or (
             limits.max_concurrent_requests is None and limits.tokens_per_minute is None
         ):
-            return
+            return None
         verdict = await self._reserve_once(principal, prompt_tokens + max_new_tokens)
         if verdict.reservation_id is None:
             code = (
@@ -297,8 +307,15 @@ class Limiter:
                 else ("token_rate_limit")
             )
             raise errors.limit_exceeded(code, verdict.message, verdict.retry_after_s)
-        if meter is not None:
-            meter.key_id, meter.reservation_id = principal.key_id, verdict.reservation_id
+        return verdict.reservation_id
+
+    def settle_detached(self, key_id: str, reservation_id: str, tokens: int) -> None:
+        """Settle a `reserve_detached` reservation to its measured tokens (fire and forget)."""
+        try:
+            self._get_ledger().settle.remote(key_id, reservation_id, tokens)
+        except Exception:  # noqa: BLE001 (a lost ledger forgets its reservations anyway)
+            logger.warning("could not settle a reservation: ledger unavailable")
+            self._ledger = None
 
     async def _reserve_once(self, principal: Principal, tokens: int) -> Verdict:
         limits = principal.limits
