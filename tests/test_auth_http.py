@@ -1,7 +1,8 @@
-"""API keys over HTTP: a second Serve app (tiny llama, its own keys file and admin port) in
-the session's Ray, on its own route prefix. 401 / 403 / 413 / 400 / 429 each name their
-limit; tenants scope request ids; the admin port takes only admin keys; a cancelled stream
-gives its concurrency slot back."""
+"""API keys over HTTP: a second Serve app (tiny llama, its own keys file, admin port and a
+PostgreSQL store) in the session's Ray, on its own route prefix. 401 / 403 / 413 / 400 / 429
+each name their limit; tenants scope request ids and generation resources (404); the admin
+port takes only admin keys; a cancelled stream gives its concurrency slot back; completed
+generations survive a restart of the app on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import httpx
 import pytest
 import yaml
 from conftest import free_port
+from postgres_fixtures import create_database, drop_database
 
 from serve_app.auth import hash_key
+from serve_app.config import ServeConfig
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -34,6 +37,7 @@ KEYS = {
     "key-alpha": {"id": "alpha", "tenant": "alpha"},
     "key-beta": {"id": "beta", "tenant": "beta"},
     "key-nomodel": {"id": "nomodel", "tenant": "alpha", "models": ["some-other-model"]},
+    "key-noprofile": {"id": "noprofile", "tenant": "alpha", "profiles": ["another_profile"]},
     "key-limited": {"id": "limited", "tenant": "alpha", "limits": LIMITED},
     "key-conc": {"id": "conc", "tenant": "alpha", "limits": {"max_concurrent_requests": 1}},
     "key-rate": {"id": "rate", "tenant": "alpha", "limits": {"tokens_per_minute": 200}},
@@ -41,29 +45,47 @@ KEYS = {
 }
 
 
+PROFILE = "support_reply_v3"
+
+
 @dataclass(frozen=True)
 class Keyed:
     url: str
     admin_url: str
+    config: ServeConfig
+
+
+def deploy(config: ServeConfig, url: str) -> None:
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.server import wait_healthy
+
+    serve.run(build_app(config), name=APP, route_prefix=PREFIX, blocking=False)
+    wait_healthy(url, timeout_s=180)
 
 
 @pytest.fixture(scope="module")
-def keyed(serve_url, ray_session, model_dirs, tmp_path_factory) -> Keyed:
+def keyed(serve_url, ray_session, model_dirs, tmp_path_factory, postgres_server) -> Keyed:
     from ray import serve
 
     from serve_app.admin import start_admin
-    from serve_app.app import build_app
-    from serve_app.config import ServeConfig
-    from serve_app.server import wait_healthy
+    from serve_app.profiles import GenerationOptions, Profile
 
     path: Path = tmp_path_factory.mktemp("keys") / "keys.yaml"
     entries = [{"sha256": hash_key(key), **entry} for key, entry in KEYS.items()]
     path.write_text(yaml.safe_dump({"keys": entries}))
+    store_url = create_database(postgres_server)
+    profile = Profile(name=PROFILE, instructions="Draft a reply.", default_max_output_tokens=8)
     config = ServeConfig(
         model=str(model_dirs("llama")),
         served_model_name=MODEL,
         api_keys_file=str(path),
         admin_port=free_port(),
+        store=store_url,
+        generations=GenerationOptions(
+            profiles=(profile,), data_dir=str(tmp_path_factory.mktemp("keyed-data"))
+        ),
         engine={"kv_cache_bytes": 32 * 1024**2},
     )
     admin = start_admin(
@@ -71,12 +93,12 @@ def keyed(serve_url, ray_session, model_dirs, tmp_path_factory) -> Keyed:
     )
     url = f"{serve_url}{PREFIX}"
     try:
-        serve.run(build_app(config), name=APP, route_prefix=PREFIX, blocking=False)
-        wait_healthy(url, timeout_s=180)
-        yield Keyed(url, f"http://127.0.0.1:{config.admin_port}")
+        deploy(config, url)
+        yield Keyed(url, f"http://127.0.0.1:{config.admin_port}", config)
     finally:
         ray_session.kill(admin)
         serve.delete(APP)
+        drop_database(postgres_server, store_url)
 
 
 def post(keyed: Keyed, key: str | None, body: dict | bytes, **kwargs) -> httpx.Response:
@@ -274,3 +296,54 @@ def test_request_ids_are_scoped_to_the_tenant(keyed: Keyed):
     # Within one tenant the id is taken: a different body is a conflict.
     again = post(keyed, "key-alpha", chat("second", max_tokens=3), headers=dict(rid))
     assert again.status_code == 409
+
+
+def create_generation(keyed: Keyed, key: str, **fields) -> httpx.Response:
+    body = {"profile": PROFILE, "input": "my order arrived damaged", **fields}
+    return httpx.post(
+        f"{keyed.url}/v1/generations",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    )
+
+
+def get_generation(keyed: Keyed, key: str, gid: str) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.get(f"{keyed.url}/v1/generations/{gid}", headers=headers, timeout=30)
+
+
+def test_generations_are_tenant_scoped_and_profiles_need_permission(keyed: Keyed):
+    r = create_generation(keyed, "key-noprofile")
+    assert r.status_code == 403 and error_of(r)["code"] == "profile_not_permitted"
+    r = create_generation(keyed, "key-alpha", max_output_tokens=4)
+    assert r.status_code == 200, r.text
+    gid = r.json()["id"]
+    assert get_generation(keyed, "key-alpha", gid).json() == r.json()
+    # Same id, another tenant: exactly what an id that never existed gets.
+    other = get_generation(keyed, "key-beta", gid)
+    never = get_generation(keyed, "key-beta", "gen_never_existed")
+    assert other.status_code == never.status_code == 404
+    assert error_of(other)["code"] == error_of(never)["code"]
+    cancel = httpx.post(
+        f"{keyed.url}/v1/generations/{gid}/cancel",
+        headers={"Authorization": "Bearer key-beta"},
+        timeout=30,
+    )
+    assert cancel.status_code == 404
+    assert get_generation(keyed, "key-alpha", gid).json()["status"] == r.json()["status"]
+
+
+def test_completed_generations_survive_a_restart_on_postgresql(keyed: Keyed):
+    from ray import serve
+
+    r = create_generation(keyed, "key-alpha", max_output_tokens=4)
+    assert r.status_code == 200, r.text
+    before = r.json()
+    assert before["status"] in ("completed", "incomplete")
+    serve.delete(APP)
+    assert httpx.get(f"{keyed.url}/health", timeout=10).status_code == 404
+    deploy(keyed.config, keyed.url)
+    after = get_generation(keyed, "key-alpha", before["id"])
+    assert after.status_code == 200 and after.json() == before
+    assert get_generation(keyed, "key-beta", before["id"]).status_code == 404
