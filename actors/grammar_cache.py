@@ -32,14 +32,22 @@ class CompiledGrammarLike(Protocol):
 
 
 def load_tokenizer_info(model_path: str | Path) -> xgr.TokenizerInfo:
-    """Tokenizer info as the grammar service builds it: the mask width is config.json's
-    `vocab_size` (the logits width), which may exceed the tokenizer's own length."""
+    """Tokenizer info for the grammar service and the engine alike: the mask width is
+    config.json's `vocab_size` (the logits width), which may exceed the tokenizer's own length.
+    The stop tokens are the ids the engine stops on: xgrammar would otherwise take a chat
+    end-of-turn token (ChatML `<|im_end|>`) for text and admit it mid-value, where the engine
+    would end the output half-written."""
     from transformers import AutoTokenizer
 
+    from actors.config import _eos_token_ids
+
     path = Path(model_path)
-    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    raw = json.loads((path / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    stop_ids = list(_eos_token_ids(path, raw)) or None  # None: xgrammar detects them
+    return xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=raw["vocab_size"], stop_token_ids=stop_ids
+    )
 
 
 class CompiledGrammarCache:

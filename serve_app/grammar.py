@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import xgrammar as xgr
-from transformers import AutoTokenizer
 
+from actors.grammar_cache import load_tokenizer_info
 from serve_app.identity import tokenizer_hash
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,9 @@ BACKEND_VERSION = importlib.metadata.version("xgrammar")
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 DEFAULT_CACHE_LIMIT_BYTES = 64 << 20
 # Part of the cache key: another backend, version or compile option must not hit old entries.
-COMPILER_ID = f"{BACKEND}=={BACKEND_VERSION};any_whitespace=0;strict_mode=1;bounded_char=json"
+COMPILER_ID = (
+    f"{BACKEND}=={BACKEND_VERSION};any_whitespace=0;strict_mode=1;bounded_char=json;stop=eos"
+)
 MAX_REASON_CHARS = 500
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:NN: ".
 _LOG_PREFIX = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\]\s+\S+?:\d+:\s*")
@@ -124,11 +126,11 @@ class GrammarService:
         self.on_compile = on_compile
         self.tokenizer_hash = tokenizer_hash(path)
         self.vocab_size: int = json.loads((path / "config.json").read_text())["vocab_size"]
-        tokenizer = AutoTokenizer.from_pretrained(path)
         self._compiler: xgr.GrammarCompiler | None = None
         self.unavailable_reason = ""
         try:
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+            # The engine's own tokenizer info: the same stop tokens on both sides.
+            info = load_tokenizer_info(path)
             self._compiler = xgr.GrammarCompiler(
                 info, max_threads=max_threads, cache_limit_bytes=cache_limit_bytes
             )
