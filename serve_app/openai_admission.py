@@ -14,10 +14,13 @@ from starlette.requests import Request
 
 from actors.messages import EngineRequest
 from serve_app import errors
+from serve_app.chat_output import ChoiceParser, ParseOptions
 from serve_app.config import ServeConfig
+from serve_app.grammar import GrammarError
 from serve_app.limits import reserve_budget
 from serve_app.openai_format import ChoiceState, Formatter
 from serve_app.protocol import Usage, new_id
+from serve_app.reasoning_grammar import after_reasoning
 from serve_app.token_text import TokenTexts
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -52,6 +55,8 @@ class Job:
     # Records the terminal (non-streamed) body before the terminal event is sent.
     on_complete: Callable[[dict], None] | None = None
     started: float = 0.0
+    # Chat: how each choice's text is read (reasoning, tool calls); None: verbatim content.
+    parse: ParseOptions | None = None
 
     @property
     def num_choices(self) -> int:
@@ -62,7 +67,10 @@ class Job:
         return "chat" if self.formatter.chat else "completions"
 
     def new_choices(self) -> list[ChoiceState]:
-        return [ChoiceState(i) for i in range(self.num_choices)]
+        """Fresh per-choice state: parser state belongs to one choice of one request."""
+        if self.parse is None or self.parse.is_plain:
+            return [ChoiceState(i) for i in range(self.num_choices)]
+        return [ChoiceState(i, parser=ChoiceParser(self.parse)) for i in range(self.num_choices)]
 
     def choice_echo(self) -> list[str]:
         """The echoed prompt of each choice ("" unless the completions request asked)."""
@@ -92,12 +100,13 @@ class Admission:
         chat: bool,
         echo: list[str],
         request: Request,
+        parse: ParseOptions | None = None,
     ) -> Job:
         default_max = self.check_lengths(req, prompts, prompt_param)
         default_max = await reserve_budget(request, req, prompts, default_max, prompt_param)
         req.check_common(req.requested_max_tokens() or default_max)
         params = req.to_sampling_params(default_max)
-        grammar = await self.start_grammar(req)
+        grammar = await self.start_grammar(req, parse)
         formatter = Formatter(
             chat=chat,
             response_id=new_id("chatcmpl" if chat else "cmpl"),
@@ -113,7 +122,7 @@ class Admission:
         ]
         # The engine enforces the deadline; this one only guards against a lost engine.
         deadline = time.monotonic() + timeout_s + 5.0 if timeout_s else None
-        job = Job(req, formatter, engine_requests, echo, params.n, deadline)
+        job = Job(req, formatter, engine_requests, echo, params.n, deadline, parse=parse)
         job.started = time.monotonic()
         return job
 
@@ -144,7 +153,7 @@ class Admission:
             shortest_room = min(shortest_room, limit - len(ids))
         return shortest_room if cap is None else min(shortest_room, cap)
 
-    async def start_grammar(self, req: Any) -> list[object] | None:
+    async def start_grammar(self, req: Any, parse: ParseOptions | None) -> list[object] | None:
         spec = req.grammar_spec()
         if spec is None:
             return None
@@ -153,10 +162,30 @@ class Admission:
             raise errors.unsupported_parameter(
                 param or "response_format", "structured output is unavailable on this server"
             )
-        if len(spec.spec.encode()) > self.config.grammar.max_spec_bytes:
+        # Tool grammars are generated from `tools`, which the body limit already bounds.
+        if param != "tool_choice" and len(spec.spec.encode()) > self.config.grammar.max_spec_bytes:
             raise errors.invalid_request(
                 f"grammar spec is larger than {self.config.grammar.max_spec_bytes} bytes", param
             )
+        spec = self.after_reasoning(req, spec, param, parse)
         # Boxed so the engine call does not wait for it: prefill overlaps compilation.
         ref = await self.grammar.compile.remote(spec)._to_object_ref()
         return [ref]
+
+    def after_reasoning(
+        self, req: Any, spec: Any, param: str | None, parse: ParseOptions | None
+    ) -> Any:
+        """The constraint, moved after the reasoning span when the request lets the model
+        think first (or the prompt already opened the span); strict: the span is required."""
+        strict = bool(getattr(req, "strict_thinking", False))
+        if strict and not getattr(self.config.grammar, "strict_thinking", False):
+            raise errors.unsupported_parameter(
+                "strict_thinking", "this server was not started with grammar.strict_thinking"
+            )
+        opens = parse is not None and parse.starts_in_reasoning
+        if not (strict or opens or (parse is not None and parse.reasoning and req.thinking)):
+            return spec
+        try:
+            return after_reasoning(spec, strict=strict, starts_in_reasoning=opens)
+        except GrammarError as exc:
+            raise errors.invalid_grammar(exc.reason, param) from None

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from actors.outputs import RequestOutput
 from serve_app import errors
 from serve_app.auth import principal_of
+from serve_app.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.config import ServeConfig
 from serve_app.limits import check_request
 from serve_app.openai_admission import Admission, Job
@@ -71,10 +72,12 @@ class OpenAIHandlers:
             messages,
             add_generation_prompt=req.wants_generation_prompt,
             continue_final_message=bool(req.continue_final_message),
+            tools=req.tools,
             chat_template_kwargs=req.chat_template_kwargs,
         )
+        parse = chat_parse_options(req, self.texts.tokenizer.decode(prompt_ids[-PROMPT_TAIL:]))
         job = await self.admission.job(
-            req, [prompt_ids], "messages", chat=True, echo=[""], request=request
+            req, [prompt_ids], "messages", chat=True, echo=[""], request=request, parse=parse
         )
         job.on_complete = record
         return await self._respond(job, request)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from actors.messages import TokenLogprobs
 from actors.outputs import CompletionDelta
+from serve_app.chat_output import ChoiceMessage, ChoiceParser, OutputEvent, ReasoningDelta
 from serve_app.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -18,34 +19,68 @@ from serve_app.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallOut,
     Usage,
     openai_finish_reason,
 )
 from serve_app.token_text import TokenTexts
+from serve_app.tool_parsers import ContentDelta, ToolCallStart
 
 
 @dataclass
 class ChoiceState:
     index: int
-    text: str = ""
+    text: str = ""  # the generated text, verbatim
     num_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # Chat: reads reasoning and tool calls out of the text; None: all of it is content.
+    parser: ChoiceParser | None = None
+    message: ChoiceMessage = field(default_factory=ChoiceMessage)
 
-    def add(self, delta: CompletionDelta) -> None:
+    def add(self, delta: CompletionDelta) -> list[OutputEvent]:
+        """Take one engine delta; return what it adds to the message, in order."""
         self.text += delta.text
         self.num_tokens += len(delta.token_ids)
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
+        if self.parser is None:
+            events: list[OutputEvent] = [ContentDelta(delta.text)] if delta.text else []
+        else:
+            events = self.parser.feed(delta.text)
+        self._record(events)
         if delta.finish_reason is not None:
-            self.finish(delta.finish_reason.value, delta.stop_reason)
+            events += self.finish(delta.finish_reason.value, delta.stop_reason)
+        return events
 
-    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> list[OutputEvent]:
+        """End the choice: release what the parser held back, then set the finish reason."""
+        events = self.parser.finish() if self.parser is not None else []
+        self._record(events)
         self.finish_reason, self.stop_reason = openai_finish_reason(reason, stop_reason)
+        if self.finish_reason == "stop" and self.num_tool_calls:
+            self.finish_reason = "tool_calls"
+        return events
+
+    @property
+    def broken_call_indices(self) -> list[int]:
+        return self.parser.broken_call_indices if self.parser is not None else []
+
+    @property
+    def num_tool_calls(self) -> int:
+        """Well-formed calls (a call cut short is counted out)."""
+        return len(self.message.tool_calls) - len(self.broken_call_indices)
+
+    def _record(self, events: list[OutputEvent]) -> None:
+        for event in events:
+            self.message.add(event)
 
 
 def chat_logprobs(
@@ -67,6 +102,38 @@ def completion_logprobs(
     return CompletionLogprobs.build(tokens, [lp.logprob for lp in logprobs], top, offset)
 
 
+def chat_message(message: ChoiceMessage, broken: list[int]) -> ChatResponseMessage:
+    """The non-streamed message. A call cut short (max_tokens, deadline) is left out: a
+    client never receives a call it cannot parse (a stream cannot retract one it began)."""
+    calls = [
+        ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments_json))
+        for i, c in enumerate(message.tool_calls)
+        if i not in broken
+    ]
+    return ChatResponseMessage(
+        # OpenAI sends null content beside tool calls when the model wrote nothing else.
+        content=message.content if message.content or not calls else None,
+        reasoning_content=message.reasoning or None,
+        tool_calls=calls or None,
+    )
+
+
+def event_delta(event: OutputEvent) -> DeltaMessage:
+    if isinstance(event, ContentDelta):
+        return DeltaMessage(content=event.text)
+    if isinstance(event, ReasoningDelta):
+        return DeltaMessage(reasoning_content=event.text)
+    if isinstance(event, ToolCallStart):
+        # The whole name, once, before any argument fragment.
+        function = DeltaFunctionCall(name=event.name, arguments="")
+        call = DeltaToolCall(index=event.index, id=event.id, type="function", function=function)
+    else:
+        call = DeltaToolCall(
+            index=event.index, function=DeltaFunctionCall(arguments=event.fragment)
+        )
+    return DeltaMessage(tool_calls=[call])
+
+
 @dataclass
 class Formatter:
     """Builds one endpoint's bodies; `chat` picks the chat or the completions shapes."""
@@ -86,7 +153,7 @@ class Formatter:
                 choices=[
                     ChatChoice(
                         index=c.index,
-                        message=ChatResponseMessage(content=c.text),
+                        message=chat_message(c.message, c.broken_call_indices),
                         logprobs=(
                             chat_logprobs(self.texts, c.token_ids, c.logprobs)
                             if self.want_logprobs
@@ -139,6 +206,23 @@ class Formatter:
             return self._chunk([choice])
         clp = completion_logprobs(self.texts, token_ids, logprobs, offset) if logprobs else None
         return self._chunk([CompletionChoice(index=index, text=text, logprobs=clp)])
+
+    def event_chunks(
+        self,
+        index: int,
+        events: list[OutputEvent],
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs] | None,
+    ) -> list[dict]:
+        """Chat: one chunk per event; the engine delta's logprobs ride on the first (or on a
+        chunk of their own when the parsers held all of its text back)."""
+        lp = chat_logprobs(self.texts, token_ids, logprobs) if logprobs else None
+        deltas = [event_delta(e) for e in events] or ([DeltaMessage()] if lp else [])
+        chunks = []
+        for i, delta in enumerate(deltas):
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=lp if i == 0 else None)
+            chunks.append(self._chunk([choice]))
+        return chunks
 
     def finish_chunk(self, choice: ChoiceState) -> dict:
         if self.chat:

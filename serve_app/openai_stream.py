@@ -8,12 +8,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from actors.outputs import RequestOutput
+from actors.outputs import CompletionDelta, RequestOutput
 from serve_app import errors
 from serve_app.limits import record_usage
 from serve_app.metrics import record_latency, record_outcome, record_tokens
 from serve_app.openai_admission import Job
-from serve_app.openai_format import ChoiceState
+from serve_app.openai_format import ChoiceState, Formatter
 from serve_app.protocol import Usage
 from serve_app.streaming import StreamState
 
@@ -29,6 +29,21 @@ def observe_end(job: Job, choices: list[ChoiceState], usage: Usage) -> None:
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     record_tokens(job.endpoint, usage.prompt_tokens, usage.completion_tokens, cached)
     record_usage(usage.total_tokens)
+
+
+def delta_chunks(
+    fmt: Formatter, choice: ChoiceState, delta: CompletionDelta, echo_len: int
+) -> list[dict]:
+    """The chunks one engine delta becomes: chat reads it through the choice's parsers
+    (reasoning, tool calls; text may be held back until decided); completions pass it on."""
+    offset = echo_len + len(choice.text)
+    events = choice.add(delta)
+    logprobs = delta.logprobs if fmt.want_logprobs else None
+    if fmt.chat:
+        return fmt.event_chunks(choice.index, events, delta.token_ids, logprobs)
+    if delta.text or logprobs:
+        return [fmt.content_chunk(choice.index, delta.text, delta.token_ids, logprobs, offset)]
+    return []
 
 
 async def stream_sse(merged: Merged, job: Job) -> AsyncIterator[bytes]:
@@ -51,7 +66,9 @@ async def stream_sse(merged: Merged, job: Job) -> AsyncIterator[bytes]:
             if out is None:
                 for c in choices:
                     if c.finish_reason is None:
-                        c.finish("timeout")
+                        held = c.finish("timeout")
+                        for chunk in fmt.event_chunks(c.index, held, [], None):
+                            yield state.frame_chunk(chunk)
                         yield state.frame_chunk(fmt.finish_chunk(c))
                 break
             if out.error is not None:
@@ -62,17 +79,14 @@ async def stream_sse(merged: Merged, job: Job) -> AsyncIterator[bytes]:
             cached[i] = out.num_cached_tokens
             for d in out.deltas:
                 c = choices[i * job.n + d.index]
-                offset = len(echo[c.index]) + len(c.text)
-                c.add(d)
-                if d.text or d.logprobs:
+                chunks = delta_chunks(fmt, c, d, len(echo[c.index]))
+                if chunks:
                     if first_chunk is None:
                         first_chunk = time.monotonic()
                         record_latency("ttft", first_chunk - job.started, job.endpoint)
                     num_chunks += 1
-                    lp = d.logprobs if fmt.want_logprobs else None
-                    yield state.frame_chunk(
-                        fmt.content_chunk(c.index, d.text, d.token_ids, lp, offset)
-                    )
+                for chunk in chunks:
+                    yield state.frame_chunk(chunk)
                 if c.finish_reason is not None:
                     yield state.frame_chunk(fmt.finish_chunk(c))
         usage = job.usage(choices, cached)

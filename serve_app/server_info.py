@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from serve_app import errors
+from serve_app.chat_output import DEFAULT_TOOL_PARSER
 from serve_app.config import ServeConfig
 from serve_app.profiles import generations_info
+from serve_app.reasoning import ThinkReasoningParser
+from serve_app.tool_parsers import parser_versions
 
 # Fields that change nothing here: accepted and ignored (never one that changes output).
 IGNORED_FIELDS = ["user", "metadata", "store", "service_tier"]
@@ -24,6 +27,21 @@ OUTCOMES = [
     {"cause": "client cancel / disconnect", "openai": {"finish_reason": "abort"}},
     {"cause": "engine or worker lost, internal error", "openai": "error frame / 500"},
 ]
+
+
+def tool_calling_info(config: ServeConfig) -> dict[str, Any]:
+    return {
+        "parsers": parser_versions(),
+        "parser": DEFAULT_TOOL_PARSER,
+        "reasoning_parser": {
+            "name": ThinkReasoningParser.name,
+            "version": ThinkReasoningParser.version,
+        },
+        "tool_choice": ["none", "auto", "required", "named function"],
+        "enforced_by_grammar": ["required", "named function"],
+        "tools_executed": False,
+        "strict_thinking": bool(getattr(config.grammar, "strict_thinking", False)),
+    }
 
 
 def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]:
@@ -53,6 +71,7 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "grammar_compile_timeout_s": config.grammar.compile_timeout_s,
             "max_top_logprobs": 20,
         },
+        "tool_calling": tool_calling_info(config),
         "parameter_policy": {
             "unknown_fields": "400 unknown_parameter, naming the field",
             "unsupported_fields": "400 unsupported_parameter, naming the field",

@@ -1,6 +1,7 @@
 """Server-sent events for the OpenAI endpoints, framed through an order-enforcing state machine.
 
-The promised order, per stream: for each choice a role delta, then its content deltas, then
+The promised order, per stream: for each choice a role delta, then its content deltas
+(content, reasoning_content and tool-call deltas, in generation order), then
 exactly one chunk with its `finish_reason`; after every choice has finished, one usage chunk
 (`choices: []`) when the client asked for it; then `data: [DONE]`. A failure after the
 headers went out is one `data: {"error": ...}` frame, then `[DONE]`. Nothing follows [DONE].
@@ -169,6 +170,8 @@ class StreamState:
 
 def _has_content(choice: Mapping[str, Any], delta: Mapping[str, Any] | None) -> bool:
     if delta is not None:
-        return delta.get("content") is not None or bool(delta.get("tool_calls"))
+        # Reasoning, tool-call deltas and a logprobs-only chunk are events of the choice too.
+        given = delta.get("content") is not None or delta.get("reasoning_content") is not None
+        return given or bool(delta.get("tool_calls")) or choice.get("logprobs") is not None
     # Completions chunks carry text directly; the finish chunk's "" is not content.
     return bool(choice.get("text")) or choice.get("logprobs") is not None

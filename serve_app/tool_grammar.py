@@ -64,10 +64,12 @@ class ToolSpecError(ValueError):
     """A bad `tools` / `tool_choice` / `parallel_tool_calls` value; `param` names the field
     (dotted, as the API's error `param`), and the message starts with it."""
 
-    def __init__(self, param: str, reason: str) -> None:
+    def __init__(self, param: str, reason: str, code: str = "invalid_request") -> None:
         super().__init__(f"{param}: {reason}")
         self.param = param
         self.reason = reason
+        # `invalid_grammar` when a parameter schema does not compile, as for response_format.
+        self.code = code
 
 
 def validate_tools(
@@ -216,6 +218,7 @@ def _check_parameters(parameters: Any, param: str) -> None:
     try:
         arguments_ebnf(parameters)
     except GrammarError as exc:
-        raise ToolSpecError(param, exc.reason) from None
+        raise ToolSpecError(param, exc.reason, "invalid_grammar") from None
     except (RuntimeError, ValueError, TypeError) as exc:  # what xgrammar raises for a schema
-        raise ToolSpecError(param, f"schema does not compile: {clean_reason(exc)}") from None
+        reason = f"schema does not compile: {clean_reason(exc)}"
+        raise ToolSpecError(param, reason, "invalid_grammar") from None

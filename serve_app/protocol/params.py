@@ -36,9 +36,6 @@ IGNORED_PARAMETERS = frozenset({"user", "metadata", "store", "service_tier"})
 # the value is one that changes nothing (null, empty, false, best_of == n, ...).
 UNSUPPORTED_PARAMETERS: dict[str, str] = {
     "logit_bias": "logit bias is not supported",
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "parallel_tool_calls": "tool calling is not supported yet",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "audio": "audio output is not supported",

@@ -11,6 +11,7 @@ from serve_app.protocol.params import (
     MAX_COMPLETION_LOGPROBS,
     MAX_PROMPTS,
     MAX_TOP_LOGPROBS,
+    GrammarSpec,
     SamplingRequest,
     StrictModel,
     apply_parameter_policy,
@@ -90,6 +91,12 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # Checked by serve_app.tool_grammar (shapes, names, schemas that compile).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Extension: the constrained answer must follow a reasoning block the mask enforces.
+    strict_thinking: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -124,7 +131,72 @@ class ChatCompletionRequest(SamplingRequest):
                     "messages",
                 )
         self.check_common(self.requested_max_tokens())
+        self._check_tools()
+        self._check_thinking()
         return self
+
+    def _check_tools(self) -> None:
+        from serve_app.tool_grammar import ToolSpecError, validate_tools
+
+        try:
+            validate_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolSpecError as exc:
+            message = f"Invalid value for '{exc.param}': {exc.reason}."
+            if exc.code == "invalid_grammar":
+                raise errors.invalid_grammar(message, exc.param) from None
+            raise errors.invalid_request(message, exc.param) from None
+        if self.tool_choice_mode in ("required", "named") and super().grammar_spec():
+            raise errors.invalid_request(
+                "'tool_choice' that forces a call cannot be combined with 'response_format' "
+                "or 'structured_outputs'.",
+                "tool_choice",
+            )
+
+    def _check_thinking(self) -> None:
+        if not self.strict_thinking:
+            return
+        if self.thinking is False:
+            raise errors.invalid_request(
+                "'strict_thinking' needs thinking enabled (chat_template_kwargs.enable_thinking).",
+                "strict_thinking",
+            )
+        if self.grammar_spec() is None:
+            raise errors.invalid_request(
+                "'strict_thinking' applies to a constrained answer: give 'response_format', "
+                "'structured_outputs', or a 'tool_choice' that forces a call.",
+                "strict_thinking",
+            )
+
+    # ------------------------------------------------------------ tools, reasoning
+
+    @property
+    def tool_choice_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """OpenAI's default is `auto` with tools and `none` without."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(choice, dict):
+            return "named"
+        return choice  # type: ignore[return-value]  # validate_tools checked the value
+
+    @property
+    def thinking(self) -> bool | None:
+        """`chat_template_kwargs.enable_thinking`: None when not given."""
+        value = (self.chat_template_kwargs or {}).get("enable_thinking")
+        return value if isinstance(value, bool) else None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        if self.tool_choice_mode in ("required", "named"):
+            from serve_app.tool_grammar import tool_call_grammar
+
+            spec = tool_call_grammar(self.tools, self.tool_choice, self.parallel_tool_calls)
+            return GrammarSpec("ebnf", spec.spec) if spec is not None else None
+        return super().grammar_spec()
+
+    def grammar_param(self) -> str | None:
+        if self.tool_choice_mode in ("required", "named"):
+            return "tool_choice"
+        return super().grammar_param()
 
     @property
     def wants_generation_prompt(self) -> bool:
@@ -142,6 +214,11 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
+# Chat fields that change output, which a completions request cannot use.
+COMPLETION_ONLY = {
+    name: "tool calling is only available on /v1/chat/completions"
+    for name in ("tools", "tool_choice", "parallel_tool_calls")
+}
 
 
 class CompletionRequest(SamplingRequest):
@@ -155,7 +232,7 @@ class CompletionRequest(SamplingRequest):
     @model_validator(mode="before")
     @classmethod
     def _policy(cls, data: Any) -> Any:
-        return apply_parameter_policy(data) if isinstance(data, dict) else data
+        return apply_parameter_policy(data, COMPLETION_ONLY) if isinstance(data, dict) else data
 
     @field_validator("prompt")
     @classmethod

@@ -117,10 +117,53 @@ class ChatLogprobs(WireModel):
 # -------------------------------------------------------------- chat completion
 
 
+class OnlyGiven(WireModel):
+    @model_serializer(mode="wrap")
+    def _only_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A delta carries only what changed: `{}` on the finish chunk, as OpenAI sends it.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCall(WireModel):
+    name: str
+    # The arguments object as JSON text, exactly as generated.
+    arguments: str
+
+
+class ToolCallOut(WireModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OnlyGiven):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OnlyGiven):
+    """A call's first delta has `id`, `type` and the whole `name`; later ones only an
+    argument fragment (`function.arguments`), all under the call's `index`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(WireModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # As OpenAI: `tool_calls` appears only when the model called a tool.
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(WireModel):
@@ -142,14 +185,12 @@ class ChatCompletionResponse(WireModel):
     system_fingerprint: str | None = None
 
 
-class DeltaMessage(WireModel):
+class DeltaMessage(OnlyGiven):
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # A delta carries only what changed: `{}` on the finish chunk, as OpenAI sends it.
-        return {k: v for k, v in handler(self).items() if v is not None}
+    # Extension (as vLLM and SGLang name it): reasoning text, on its own channel.
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(WireModel):
