@@ -60,6 +60,11 @@ def probe_grammar_backend(config: ServeConfig) -> dict[str, Any]:
             "strict_structured_output is set but structured output cannot be enforced: "
             + info["unavailable_reason"]
         )
+    if not info["available"] and config.grammar.strict_thinking:
+        raise RuntimeError(
+            "strict_thinking is set but it needs token filtering inside reasoning, which this "
+            "tokenizer's grammar backend cannot do: " + info["unavailable_reason"]
+        )
     return info
 
 

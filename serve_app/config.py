@@ -55,6 +55,9 @@ class GrammarOptions(BaseModel):
 
     # Refuse to start when xgrammar cannot initialise for the tokenizer.
     strict_structured_output: bool = False
+    # Offer strict thinking (requests' `strict_thinking`: the mask also holds inside the
+    # reasoning span); needs token filtering, so the server refuses to start without it.
+    strict_thinking: bool = False
     compile_timeout_s: float = Field(10.0, gt=0)
     cache_bytes: int = Field(64 * 1024**2, ge=0)
     max_threads: int = Field(4, ge=1)
