@@ -30,6 +30,11 @@ WINDOW_S = 60.0
 # A reservation whose ingress replica died without settling frees itself after this long.
 DEFAULT_LEASE_S = 3600.0
 CONCURRENCY_RETRY_AFTER_S = 1.0
+# The 429 code of each budget.
+LIMIT_CODES = {
+    "max_concurrent_requests": "concurrency_limit",
+    "tokens_per_minute": "token_rate_limit",
+}
 
 
 def _tightest(*limits: int | None) -> int | None:
@@ -301,12 +306,9 @@ class Limiter:
             return None
         verdict = await self._reserve_once(principal, prompt_tokens + max_new_tokens)
         if verdict.reservation_id is None:
-            code = (
-                "concurrency_limit"
-                if verdict.limit == "max_concurrent_requests"
-                else ("token_rate_limit")
+            raise errors.limit_exceeded(
+                LIMIT_CODES[verdict.limit or ""], verdict.message, verdict.retry_after_s
             )
-            raise errors.limit_exceeded(code, verdict.message, verdict.retry_after_s)
         return verdict.reservation_id
 
     def settle_detached(self, key_id: str, reservation_id: str, tokens: int) -> None:
