@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -20,6 +21,8 @@ from serve_app.openai_api import OpenAIHandlers
 from serve_app.server_info import server_info
 
 DRAIN_CHECK_PERIOD_S = 0.5
+# /health is green only when an engine replica answers within this.
+HEALTH_ENGINE_TIMEOUT_S = 5.0
 
 
 class Ingress:
@@ -40,6 +43,7 @@ class Ingress:
         self.generations = GenerationsAPI(
             config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit
         )
+        self._engine = engine_handle
         self._registry = None
         self._drain_checked_at = 0.0
         self._draining = False
@@ -81,6 +85,18 @@ class Ingress:
         )
 
     async def health(self, request: Request) -> Response:
+        """Green only when an engine replica answers: while none is placed or all are being
+        replaced, a load balancer must not send traffic here."""
+
+        async def ping() -> None:
+            await self._engine.stats.remote()
+
+        try:
+            await asyncio.wait_for(ping(), HEALTH_ENGINE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 (no replica, or one that failed)
+            raise errors.overloaded(
+                f"No engine replica is ready ({type(exc).__name__}).", retry_after_s=5
+            ) from None
         return JSONResponse({"status": "ok", "model": self.config.model_id})
 
     async def models(self, request: Request) -> Response:
