@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
@@ -145,16 +146,24 @@ class CacheConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    # Placement strategy for the TP workers' placement group (PACK, STRICT_PACK, SPREAD).
-    placement_strategy: str = "PACK"
+    # STRICT_PACK keeps every rank on one node; PACK or SPREAD let ranks straddle nodes
+    # (collectives over the network), which is an opt-in.
+    placement_strategy: str = "STRICT_PACK"
     # How long to wait for the placement group before failing with a message.
     placement_timeout_s: float = 60.0
+    # One GPU per rank; None: whether the Ray cluster has GPUs when the executor starts.
+    use_gpu: bool | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be >= 1")
-        if self.placement_strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
-            raise ValueError(f"placement_strategy {self.placement_strategy!r} is not valid")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"placement_strategy {self.placement_strategy!r} is not one of "
+                + ", ".join(PLACEMENT_STRATEGIES)
+            )
+        if self.placement_timeout_s <= 0:
+            raise ValueError(f"placement_timeout_s ({self.placement_timeout_s}) must be > 0")
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int) -> None:

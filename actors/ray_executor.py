@@ -30,16 +30,29 @@ logger = logging.getLogger(__name__)
 
 
 def _bundle_resource(bundle: dict[str, float]) -> dict[str, float]:
-    return {"num_gpus": 1} if bundle.get("GPU", 0) >= 1 else {"num_cpus": 1}
+    """The rank asks for its whole bundle (GPU ranks hold their GPU; CPUs become threads)."""
+    return {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0)}
+
+
+def rank_bundles(tp: int, use_gpu: bool) -> list[dict[str, float]]:
+    return [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(tp)]
+
+
+def cluster_has_gpus() -> bool:
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
 def placement_failure_message(bundles: list[dict], strategy: str, timeout_s: float) -> str:
+    """Names the bundles, what they need together, and the largest node of the cluster."""
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     largest = max(nodes, key=lambda r: (r.get("GPU", 0), r.get("CPU", 0)), default={})
-    summary = {k: largest[k] for k in ("CPU", "GPU") if k in largest}
+    have = {k: largest[k] for k in ("CPU", "GPU") if k in largest}
+    need = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
+    need = {k: v for k, v in need.items() if v}
+    where = " on one node" if strategy == "STRICT_PACK" else ""
     return (
-        f"placement group {bundles} ({strategy}) could not be placed within {timeout_s:.0f}s; "
-        f"the largest node has {summary}"
+        f"placement group {bundles} ({strategy}) could not be placed within {timeout_s:g}s: "
+        f"it needs {need}{where}; the largest of the {len(nodes)} nodes has {have}"
     )
 
 
@@ -52,7 +65,7 @@ class RayExecutor(Executor):
         seed: int = 0,
     ):
         if not ray.is_initialized():
-            ray.init(log_to_driver=False)
+            ray.init(address="local", log_to_driver=False)
         self.tp = parallel_config.tensor_parallel_size
         self._healthy = True
         self._owned_pg: PlacementGroup | None = None
@@ -68,7 +81,7 @@ class RayExecutor(Executor):
                     pg, placement_group_bundle_index=first_bundle + rank
                 ),
             )
-            self.workers.append(actor.remote(int(bundle.get("CPU", 1))))
+            self.workers.append(actor.remote(int(bundle.get("CPU", 0))))
         try:
             address = ray.get(self.workers[0].rendezvous_address.remote())
             self._all(
@@ -92,8 +105,8 @@ class RayExecutor(Executor):
                 f"tensor_parallel_size ({self.tp}) needs {self.tp} bundles after the replica's "
                 f"own, but its placement group has {n}"
             )
-        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        bundles = [{"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1} for _ in range(self.tp)]
+        use_gpu = cluster_has_gpus() if config.use_gpu is None else config.use_gpu
+        bundles = rank_bundles(self.tp, use_gpu)
         pg = placement_group(bundles, strategy=config.placement_strategy)
         try:
             ray.get(pg.ready(), timeout=config.placement_timeout_s)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
 from ray import serve
 from ray.serve import Application
 
+from actors.ray_executor import cluster_has_gpus, rank_bundles
 from serve_app.config import ServeConfig
 from serve_app.engine import EngineService, build_model_config
 from serve_app.grammar import GrammarService
@@ -18,8 +18,15 @@ from serve_app.metrics import record_grammar_compile
 from serve_app.tokenizer import TokenizerService
 
 APP_NAME = "serve-app"
+# Ray gives the head node this resource (1.0); asking for a sliver of it pins to the head.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 # Engines batch internally; Serve's default of a few ongoing requests would serialise them.
 ENGINE_MAX_ONGOING = 4096
+
+
+def engine_uses_gpu(config: ServeConfig) -> bool:
+    use_gpu = config.engine.use_gpu
+    return cluster_has_gpus() if use_gpu is None else use_gpu
 
 
 def engine_bundles(config: ServeConfig) -> list[dict[str, float]] | None:
@@ -27,9 +34,31 @@ def engine_bundles(config: ServeConfig) -> list[dict[str, float]] | None:
     e = config.engine
     if e.tensor_parallel_size == 1:
         return None
-    has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-    rank_bundle = {"GPU": 1.0, "CPU": 1.0} if has_gpus else {"CPU": 1.0}
-    return [{"CPU": e.replica_cpus}] + [dict(rank_bundle) for _ in range(e.tensor_parallel_size)]
+    return [{"CPU": e.replica_cpus}] + rank_bundles(e.tensor_parallel_size, engine_uses_gpu(config))
+
+
+def engine_placement(config: ServeConfig) -> dict[str, Any]:
+    """Serve options that place one engine replica: a placement group when TP > 1 (packed on
+    one node unless the config opts out), else the replica's own CPUs and GPU."""
+    bundles = engine_bundles(config)
+    if bundles is not None:
+        return {
+            "placement_group_bundles": bundles,
+            "placement_group_strategy": config.engine.placement_strategy,
+        }
+    actor_options: dict[str, Any] = {"num_cpus": config.engine.replica_cpus}
+    if engine_uses_gpu(config):
+        actor_options["num_gpus"] = 1
+    return {"ray_actor_options": actor_options}
+
+
+def cpu_actor_options(config: ServeConfig) -> dict[str, Any]:
+    """Ingress, tokenizer and grammar ask for no GPU and, on a cluster, sit on the head node
+    (Serve spreads replicas over nodes, so zero CPUs alone could land them on a GPU node)."""
+    options: dict[str, Any] = {"num_cpus": 0}
+    if config.cpu_deployments_on_head:
+        options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
+    return options
 
 
 def served_identity(config: ServeConfig, grammar_identity: dict[str, Any]) -> dict[str, Any]:
@@ -75,13 +104,13 @@ def build_app(config: ServeConfig) -> Application:
         TokenizerService,
         name="tokenizer",
         max_ongoing_requests=512,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=cpu_actor_options(config),
     ).bind(config.model, model_config.vocab_size)
     grammar = serve.deployment(
         GrammarService,
         name="grammar",
         max_ongoing_requests=512,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=cpu_actor_options(config),
     ).bind(
         config.model,
         max_threads=config.grammar.max_threads,
@@ -89,25 +118,20 @@ def build_app(config: ServeConfig) -> Application:
         compile_timeout_s=config.grammar.compile_timeout_s,
         on_compile=record_grammar_compile,
     )
-    bundles = engine_bundles(config)
     engine_options: dict[str, Any] = dict(
         name="engine",
         num_replicas=config.engine.num_replicas,
         max_ongoing_requests=ENGINE_MAX_ONGOING,
         health_check_period_s=2,
         health_check_timeout_s=30,
+        **engine_placement(config),
     )
-    if bundles is None:
-        engine_options["ray_actor_options"] = {"num_cpus": config.engine.replica_cpus}
-    else:
-        engine_options["placement_group_bundles"] = bundles
-        engine_options["placement_group_strategy"] = config.engine.placement_strategy
     engine = serve.deployment(EngineService, **engine_options).bind(config)
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name="ingress",
         max_ongoing_requests=ENGINE_MAX_ONGOING,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=cpu_actor_options(config),
     ).bind(config, tokenizer, grammar, engine, identity)
     return ingress
 

@@ -156,9 +156,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = serve_config_from_args(args)
     except ValidationError as exc:
         return _fail("serve", str(exc))
+    from serve_app.placement import DeploymentFailed
     from serve_app.server import run_forever
 
-    run_forever(config)
+    try:
+        run_forever(config)
+    except DeploymentFailed as exc:
+        return _fail("serve", str(exc), status=1)
     return 0
 
 

@@ -38,7 +38,8 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     import ray
     from ray import serve
 
-    from serve_app.app import APP_NAME, build_app
+    from serve_app.app import APP_NAME, build_app, engine_placement
+    from serve_app.placement import wait_deployed
 
     if not ray.is_initialized():
         if config.ray_address:
@@ -46,7 +47,8 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
         else:
             ray.init(include_dashboard=False, log_to_driver=False, **(ray_init_kwargs or {}))
     global _ADMIN
-    serve.start(http_options={"host": config.host, "port": config.port})
+    # NOTE: one proxy, on the head: the public address of a cluster is its head node.
+    serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port})
     _ADMIN = start_admin(
         config.model_id,
         config.admin_host,
@@ -54,10 +56,13 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
         config.admin_api_key,
         config.api_keys,
     )
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    # Not `serve.run`: it waits for RUNNING, for ever when a replica cannot be placed.
+    target = serve.RunTarget(build_app(config), name=APP_NAME, route_prefix="/")
+    serve.run_many([target], wait_for_applications_running=False)
+    wait_deployed(APP_NAME, config, engine_placement(config))
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     url = f"http://{host}:{config.port}"
-    wait_healthy(url, timeout_s=config.engine.placement_timeout_s + 120)
+    wait_healthy(url, timeout_s=120)
     return url
 
 
@@ -75,7 +80,11 @@ def stop() -> None:
 
 
 def run_forever(config: ServeConfig) -> None:
-    url = start(config)
+    try:
+        url = start(config)
+    except BaseException:
+        stop()
+        raise
     print(
         f"serving {config.model_id} at {url}/v1 (admin: http://{config.admin_host}:"
         f"{config.admin_port}/admin/v1/stats; Ctrl-C to stop)",

@@ -1,0 +1,85 @@
+"""Waiting for a deployed graph to come up, and failing (not hanging) when it cannot be placed.
+
+Serve keeps a replica whose resources no node offers pending for ever. The server instead
+gives each engine replica `engine.placement_timeout_s` to be placed; after that it tears the
+application down and fails with a message naming the bundles and the largest node.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+
+from actors.ray_executor import placement_failure_message
+from serve_app.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEPLOYMENT = "engine"
+# Actor states of a replica Ray has not placed on a node yet.
+_UNPLACED = ("DEPENDENCIES_UNREADY", "PENDING_CREATION")
+# How long placed replicas may take to load their weights and start.
+LOAD_TIMEOUT_S = 900.0
+
+
+class DeploymentFailed(RuntimeError):
+    """The graph could not start: unplaceable replicas, or replicas that fail to construct."""
+
+
+def requested_bundles(options: dict[str, Any]) -> list[dict[str, float]]:
+    """What one engine replica asks Ray for, as bundles (one when it has no placement group)."""
+    if "placement_group_bundles" in options:
+        return [dict(b) for b in options["placement_group_bundles"]]
+    actor = options.get("ray_actor_options", {})
+    bundle = {"CPU": float(actor.get("num_cpus", 1)), "GPU": float(actor.get("num_gpus", 0))}
+    return [{k: v for k, v in bundle.items() if v}]
+
+
+def unplaced_replicas(app_name: str, deployment: str = ENGINE_DEPLOYMENT) -> list[str]:
+    """Names of the deployment's replica actors that Ray has not placed on any node."""
+    # NOTE: the GCS actor table (a private module) answers without the dashboard, which
+    # `serve-app serve` does not start; the public state API needs it.
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+    table = ray._private.state.actors()
+    return sorted(
+        a["Name"]
+        for a in table.values()
+        if a.get("Name", "").startswith(prefix) and a.get("State") in _UNPLACED
+    )
+
+
+def wait_deployed(
+    app_name: str,
+    config: ServeConfig,
+    engine_options: dict[str, Any],
+    load_timeout_s: float = LOAD_TIMEOUT_S,
+) -> None:
+    """Return once the application is RUNNING; raise DeploymentFailed when Serve reports it
+    failed, when an engine replica is still unplaced after `placement_timeout_s`, or when
+    placed replicas have not started `load_timeout_s` after that."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    timeout_s = config.engine.placement_timeout_s
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline + load_timeout_s:
+        app = serve.status().applications.get(app_name)
+        status = app.status if app is not None else None
+        if status == ApplicationStatus.RUNNING:
+            return
+        if status == ApplicationStatus.DEPLOY_FAILED:
+            raise DeploymentFailed(f"the deployment failed: {app.message}")
+        if time.monotonic() > deadline:
+            unplaced = unplaced_replicas(app_name)
+            if unplaced:
+                bundles = requested_bundles(engine_options)
+                strategy = engine_options.get("placement_group_strategy", "one actor")
+                raise DeploymentFailed(
+                    f"{len(unplaced)} engine replica(s) could not be placed: "
+                    + placement_failure_message(bundles, strategy, timeout_s)
+                )
+        time.sleep(0.5)
+    raise DeploymentFailed(f"the engine replicas were placed but not ready in {load_timeout_s:g}s")
