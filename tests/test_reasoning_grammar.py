@@ -100,3 +100,74 @@ def test_the_end_of_turn_token_is_a_stop_token_never_text(service, engine_cache,
 def test_a_constraint_that_does_not_convert_is_a_grammar_error(kind, spec):
     with pytest.raises(GrammarError):
         constraint_ebnf(kind, spec)
+
+
+# ------------------------------------------------------------------ strict thinking
+
+STRICT_BODY = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "n?"}],
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": "n", "schema": json.loads(SCHEMA)},
+    },
+    "strict_thinking": True,
+}
+
+
+def admission_for(model_path: str, **grammar_options):
+    from serve_app.config import ServeConfig
+    from serve_app.openai_admission import Admission
+
+    config = ServeConfig(model=model_path, grammar=grammar_options)
+    identity = {"max_model_len": 256, "grammar": {"available": True}}
+    return Admission(config, identity, texts=None, grammar=None)
+
+
+def test_strict_thinking_requires_the_block_where_the_server_offers_it(
+    service, engine_cache, model_path
+):
+    from serve_app.chat_output import chat_parse_options
+    from serve_app.protocol import parse_request
+
+    req = parse_request("chat", STRICT_BODY)
+    parse = chat_parse_options(req, "<|im_start|>assistant\n")
+    admission = admission_for(model_path, strict_thinking=True)
+    spec = admission.after_reasoning(req, req.grammar_spec(), req.grammar_param(), parse)
+    payload = compile_spec(service, spec.kind, spec.spec)
+    assert accepts(engine_cache, payload, THINK + '{"n": 1}')
+    assert not accepts(engine_cache, payload, '{"n": 1}')
+
+
+def test_strict_thinking_is_refused_where_the_server_does_not_offer_it(model_path):
+    from serve_app.errors import APIError
+    from serve_app.protocol import parse_request
+
+    req = parse_request("chat", STRICT_BODY)
+    with pytest.raises(APIError) as info:
+        admission_for(model_path).after_reasoning(req, req.grammar_spec(), None, None)
+    assert (info.value.code, info.value.param) == ("unsupported_parameter", "strict_thinking")
+
+
+def test_a_server_offering_strict_thinking_refuses_to_start_without_token_filtering(
+    model_path, monkeypatch
+):
+    from serve_app import app
+    from serve_app.config import ServeConfig
+
+    class NoBackend:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def identity(self) -> dict:
+            return {"available": False, "unavailable_reason": "tokenizer not supported"}
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(app, "GrammarService", NoBackend)
+    strict = ServeConfig(model=model_path, grammar={"strict_thinking": True})
+    with pytest.raises(RuntimeError, match="strict_thinking"):
+        app.probe_grammar_backend(strict)
+    # Without the promise the server starts; constrained requests are then refused.
+    assert app.probe_grammar_backend(ServeConfig(model=model_path))["available"] is False
