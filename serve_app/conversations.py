@@ -61,7 +61,9 @@ class ConversationsAPI:
         return JSONResponse(
             conversation_json(record),
             status_code=201,
-            headers={"Location": f"/v1/conversations/{record.id}"},
+            headers={
+                "Location": f"{request.scope.get('root_path', '')}/v1/conversations/{record.id}"
+            },
         )
 
     async def get(self, request: Request) -> Response:

@@ -17,7 +17,7 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -65,6 +65,14 @@ class Plan:
     idempotency: IdempotencyKey | None = None
     turn: ConversationTurn | None = None
     turn_messages: list[dict[str, Any]] = field(default_factory=list)
+    # Called once when the generation ends (or is never created) with the tokens it used:
+    # settles the key's budget reservation.
+    on_end: Callable[[int], None] | None = None
+
+    def end(self, num_tokens: int) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end(num_tokens)
 
 
 @dataclass(frozen=True)
@@ -199,9 +207,11 @@ class GenerationRunner:
                 self.store.insert_generation, plan.record, plan.idempotency, plan.turn
             )
         except BaseException as exc:
+            plan.end(0)
             admitted.set_exception(exc)
             return
         if result.outcome is not InsertOutcome.CREATED:
+            plan.end(0)  # nothing new was generated
             admitted.set_result(result)
             return
         self.live[plan.record.id] = live
@@ -213,6 +223,8 @@ class GenerationRunner:
             final = await self._save(live, failed("internal_error", "internal error"), Progress())
         finally:
             self.live.pop(plan.record.id, None)
+        tokens = final.data.get("usage", {})
+        plan.end(tokens.get("input_tokens", 0) + tokens.get("output_tokens", 0))
         live.finish(final, self.render(final))
 
     async def _execute(self, live: Live) -> GenerationRecord:

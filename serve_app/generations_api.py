@@ -9,12 +9,10 @@ Location; stream -> SSE `generation.created`, `output.delta`..., `generation.fin
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
 import socket
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,33 +21,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from actors.sampling_params import SamplingParams
 from serve_app import errors
-from serve_app.auth import principal_of, require_model, require_profile
+from serve_app.auth import principal_of
 from serve_app.config import ServeConfig
 from serve_app.conversations import ConversationsAPI
+from serve_app.generation_admission import GenerationAdmission, conversation_not_found
 from serve_app.generation_protocol import GenerationCreate, idempotency_key, parse_body
-from serve_app.generation_resource import new_generation_id, resource_json, usage
-from serve_app.generation_runner import Event, GenerationRunner, Live, Plan
-from serve_app.profiles import (
-    TEXT_FORMAT,
-    Profile,
-    constrained_schema,
-    format_instructions,
-)
-from serve_app.protocol.params import GrammarSpec, canonical_json
+from serve_app.generation_resource import resource_json
+from serve_app.generation_runner import Event, GenerationRunner, Live
 from serve_app.store import (
-    ConversationTurn,
     GenerationRecord,
-    IdempotencyKey,
     InsertOutcome,
     InsertResult,
     open_store,
 )
 
 logger = logging.getLogger(__name__)
-
-OPERATION = "generations.create"
 
 
 def sse_event(event: Event) -> bytes:
@@ -82,6 +69,7 @@ class GenerationsAPI:
             owner,
             resource_json,
         )
+        self.admission = GenerationAdmission(config, identity, tokenizer, self.store, owner)
         self.conversations = ConversationsAPI(self.store, self.options, admit)
         # Startup: resources a crashed process left queued/running become failed.
         self.runner.sweep_orphans()
@@ -113,9 +101,9 @@ class GenerationsAPI:
             raise errors.body_too_large(self.config.limits.max_body_bytes)
         req: GenerationCreate = parse_body(GenerationCreate, body)
         key = idempotency_key(request.headers.get("idempotency-key"))
-        plan = await self._plan(request, req, key)
+        plan = await self.admission.plan(request, req, key)
         result, live = await self.runner.submit(plan, subscribe=req.execution == "stream")
-        return await self._answer(req, result, live)
+        return await self._answer(req, result, live, request.scope.get("root_path", ""))
 
     async def get(self, request: Request) -> Response:
         self.start_upkeep()
@@ -135,172 +123,11 @@ class GenerationsAPI:
             raise not_found(gid)
         return JSONResponse(resource_json(record))
 
-    # ------------------------------------------------------------------ admission
-
-    async def _plan(self, request: Request, req: GenerationCreate, key: str | None) -> Plan:
-        principal = principal_of(request)
-        profile = self.options.profile(req.profile)
-        if profile is None:
-            raise errors.not_found(
-                "profile_not_found", f"No generation profile '{req.profile}'.", "profile"
-            )
-        require_profile(principal, profile.name)
-        model = self._model(profile, req)
-        require_model(principal, model)
-        output_format = self._output_format(profile, req)
-        max_output = self._max_output(profile, req)
-        history: list[dict[str, Any]] = []
-        turn = None
-        if req.conversation is not None:
-            conv = await asyncio.to_thread(
-                self.store.get_conversation, principal.tenant, req.conversation.id
-            )
-            if conv is None:
-                raise conversation_not_found(req.conversation.id)
-            history = conv.messages
-            turn = ConversationTurn(conv.id, req.conversation.expected_revision)
-        new_messages = req.input_messages()
-        schema = self.options.output_formats.get(output_format)
-        messages = self._system(profile, output_format, schema) + history + new_messages
-        prompt_ids = await self.tokenizer.render_chat.remote(messages, add_generation_prompt=True)
-        self._check_budget(profile, len(prompt_ids), max_output)
-        plan = self._build_plan(
-            principal.tenant, profile, req, model, output_format, prompt_ids, max_output
-        )
-        plan.turn = turn
-        plan.turn_messages = new_messages
-        if key is not None:
-            expires_at = time.time() + self.options.idempotency_ttl_s
-            plan.idempotency = IdempotencyKey(OPERATION, key, req.body_hash(), expires_at)
-        return plan
-
-    def _build_plan(
-        self,
-        tenant: str,
-        profile: Profile,
-        req: GenerationCreate,
-        model: str,
-        output_format: str,
-        prompt_ids: list[int],
-        max_output: int,
-    ) -> Plan:
-        now = time.time()
-        schema = self.options.output_formats.get(output_format)
-        grammar = None
-        if schema is not None:
-            grammar = GrammarSpec("json_schema", canonical_json(constrained_schema(schema)))
-        conversation = None
-        if req.conversation is not None:
-            conversation = req.conversation.model_dump()
-        data = {
-            "profile": {"name": profile.name, "version": profile.version},
-            "resolved_model": model,
-            "artifact": self._artifact(),
-            "execution": req.execution,
-            "output_format": output_format,
-            "max_output_tokens": max_output,
-            "conversation": conversation,
-            "input_revision": "sha256:" + sha256_ids(prompt_ids),
-            "output": [],
-            "finish_reason": None,
-            "usage": usage(len(prompt_ids), 0, 0, "estimate"),
-            "error": None,
-            "started_at": None,
-            "finished_at": None,
-        }
-        record = GenerationRecord(
-            new_generation_id(), tenant, "queued", self.runner.owner, data, now, now, None
-        )
-        return Plan(
-            record=record,
-            prompt_ids=prompt_ids,
-            params=SamplingParams(
-                max_tokens=max_output, temperature=profile.temperature, top_p=profile.top_p
-            ),
-            grammar=grammar,
-            output_format=output_format,
-            schema=schema,
-            deadline=now + self.options.deadline_s,
-        )
-
-    def _artifact(self) -> dict[str, Any]:
-        ident = self.identity
-        grammar = ident.get("grammar", {})
-        return {
-            "fingerprint": ident.get("fingerprint"),
-            "weights_sha256": ident.get("weights_sha256"),
-            "tokenizer_sha256": ident.get("tokenizer_sha256"),
-            "chat_template_sha256": ident.get("chat_template_sha256"),
-            "grammar_backend": f"{grammar.get('backend')}=={grammar.get('backend_version')}",
-        }
-
-    def _model(self, profile: Profile, req: GenerationCreate) -> str:
-        allowed = profile.models or (self.config.model_id,)
-        model = req.model or allowed[0]
-        if model not in allowed:
-            raise errors.profile_mismatch(
-                "model_not_allowed",
-                f"Profile '{profile.name}' runs on {', '.join(allowed)}, not '{model}'.",
-                "model",
-            )
-        return model
-
-    def _output_format(self, profile: Profile, req: GenerationCreate) -> str:
-        fmt = req.output_format or profile.default_output_format
-        if fmt not in profile.output_formats:
-            raise errors.profile_mismatch(
-                "output_format_not_allowed",
-                f"Profile '{profile.name}' offers the output formats "
-                f"{', '.join(profile.output_formats)}, not '{fmt}'.",
-                "output_format",
-            )
-        if fmt != TEXT_FORMAT and not self.identity.get("grammar", {}).get("available"):
-            raise errors.unsupported_parameter(
-                "output_format", "structured output is unavailable on this server"
-            )
-        return fmt
-
-    def _max_output(self, profile: Profile, req: GenerationCreate) -> int:
-        requested = req.max_output_tokens or profile.default_max_output_tokens
-        if requested > profile.max_output_tokens:
-            raise errors.max_tokens_exceeded(
-                f"max_output_tokens is {requested}; profile '{profile.name}' allows at most "
-                f"{profile.max_output_tokens}.",
-                status=422,
-                param="max_output_tokens",
-            )
-        return requested
-
-    def _system(
-        self, profile: Profile, output_format: str, schema: dict[str, Any] | None
-    ) -> list[dict[str, Any]]:
-        parts = [profile.instructions] if profile.instructions else []
-        if schema is not None:
-            parts.append(format_instructions(output_format, schema))
-        return [{"role": "system", "content": "\n\n".join(parts)}] if parts else []
-
-    def _check_budget(self, profile: Profile, num_input: int, max_output: int) -> None:
-        context = self.identity["max_model_len"]
-        budget = profile.input_budget_tokens
-        if budget is not None and num_input > budget:
-            raise errors.context_length_exceeded(
-                f"The assembled input (instructions, history and input) has {num_input} "
-                f"tokens; profile '{profile.name}' has an input budget of {budget} tokens.",
-                status=422,
-                param="input",
-            )
-        if num_input + max_output > context:
-            raise errors.context_length_exceeded(
-                f"The assembled input has {num_input} tokens and max_output_tokens is "
-                f"{max_output}: {num_input + max_output} exceeds the model's context of "
-                f"{context} tokens.",
-                status=422,
-                param="input",
-            )
-
     # ------------------------------------------------------------------- response
 
-    async def _answer(self, req: GenerationCreate, result: InsertResult, live: Live) -> Response:
+    async def _answer(
+        self, req: GenerationCreate, result: InsertResult, live: Live, root: str
+    ) -> Response:
         outcome = result.outcome
         if outcome is InsertOutcome.KEY_REUSED:
             raise errors.conflict(
@@ -322,9 +149,9 @@ class GenerationsAPI:
             )
         if outcome is InsertOutcome.REPLAY:
             assert result.generation is not None
-            return await self._replay(req, result.generation)
+            return await self._replay(req, result.generation, root)
         record = live.plan.record
-        location = {"Location": f"/v1/generations/{record.id}"}
+        location = {"Location": f"{root}/v1/generations/{record.id}"}
         if req.execution == "background":
             return JSONResponse(resource_json(record), status_code=202, headers=location)
         if req.execution == "stream":
@@ -337,13 +164,14 @@ class GenerationsAPI:
         final = await asyncio.shield(live.done)
         return JSONResponse(resource_json(final), headers=location)
 
-    async def _replay(self, req: GenerationCreate, record: GenerationRecord) -> Response:
+    async def _replay(self, req: GenerationCreate, record: GenerationRecord, root: str) -> Response:
         """The same generation as JSON, never a new stream; a sync replay of a generation
         still running here waits for its end, as the original request would have."""
         live = self.runner.live.get(record.id)
         if req.execution == "sync" and live is not None:
             record = await asyncio.shield(live.done)
-        headers = {"Location": f"/v1/generations/{record.id}", "Idempotent-Replayed": "true"}
+        location = f"{root}/v1/generations/{record.id}"
+        headers = {"Location": location, "Idempotent-Replayed": "true"}
         status = 202 if req.execution == "background" and not record.is_terminal else 200
         return JSONResponse(resource_json(record), status_code=status, headers=headers)
 
@@ -359,17 +187,7 @@ class GenerationsAPI:
             live.unsubscribe(sub)
 
 
-def sha256_ids(token_ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()
-
-
 def not_found(generation_id: str) -> errors.APIError:
     return errors.not_found(
         "generation_not_found", f"No generation '{generation_id}'.", "generation_id"
-    )
-
-
-def conversation_not_found(conversation_id: str) -> errors.APIError:
-    return errors.not_found(
-        "conversation_not_found", f"No conversation '{conversation_id}'.", "conversation.id"
     )

@@ -22,6 +22,8 @@ from serve_app.store import (
     ConversationRecord,
     ConversationTurn,
     GenerationRecord,
+    IdempotencyKey,
+    InsertOutcome,
     SQLiteStore,
 )
 
@@ -279,3 +281,25 @@ def test_orphans_of_a_lost_process_fail_as_engine_lost(store: SQLiteStore) -> No
     conv = store.get_conversation("t1", "c1")
     assert conv is not None and conv.pending_generation is None and conv.revision == 0
     assert runner.sweep_orphans() == 0
+
+
+def test_the_budget_is_settled_once_to_measured_usage(store: SQLiteStore) -> None:
+    settled: list[int] = []
+    runner = runner_for(store, FakeEngine([("ab", None), ("c", "length")]))
+    p = plan()
+    p.on_end = settled.append
+    final = asyncio.run(run_to_end(runner, p))
+    assert settled == [4 + final.data["usage"]["output_tokens"]] == [4 + 3]
+    # A replay generates nothing: its reservation is settled to zero.
+    key = IdempotencyKey("op", "k", "h", time.time() + 60)
+    first, again = plan(gid="gen_a"), plan(gid="gen_b")
+    first.idempotency = again.idempotency = key
+    again.on_end = settled.append
+    asyncio.run(run_to_end(runner, first))
+
+    async def replay() -> InsertOutcome:
+        result, _ = await runner.submit(again, subscribe=False)
+        return result.outcome
+
+    assert asyncio.run(replay()) is InsertOutcome.REPLAY
+    assert settled == [7, 0]
