@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 REGISTRY_NAMESPACE = "serve-app"
 # A replica that has not reported for this long is gone (its entry is dropped).
 STALE_AFTER_S = 3.0
+# NOTE: the registry and the admin server live on the head node, like the HTTP proxy: a
+# loopback bind must be the head's loopback, and GPU nodes may come and go.
+HEAD_ONLY = {"node:__internal_head__": 0.001}
 TOTALLED = ("kv_blocks_total", "kv_blocks_used", "running", "waiting", "held", "live_requests")
 
 
@@ -66,6 +69,7 @@ def get_or_create_registry(model_id: str):
             namespace=REGISTRY_NAMESPACE,
             get_if_exists=True,
             num_cpus=0,
+            resources=HEAD_ONLY,
         )
         .remote()
     )
@@ -185,11 +189,9 @@ def start_admin(
 ):
     """Start the registry and the admin server; returns the server actor (kill it to stop)."""
     get_or_create_registry(model_id)
-    # NOTE: on the head node, like the HTTP proxy: a loopback bind must be the head's loopback.
-    head = {"node:__internal_head__": 0.001}
     actor = (
         ray.remote(AdminServer)
-        .options(num_cpus=0, resources=head)
+        .options(num_cpus=0, resources=HEAD_ONLY)
         .remote(model_id, host, port, api_key, keys)
     )
     if not ray.get(actor.ready.remote()):
