@@ -23,6 +23,7 @@ from typing import Any
 
 from actors.messages import EngineRequest
 from actors.sampling_params import SamplingParams
+from serve_app.generation_live import Event, Live
 from serve_app.generation_resource import (
     UNFINISHED,
     Outcome,
@@ -44,11 +45,10 @@ from serve_app.store import (
 
 logger = logging.getLogger(__name__)
 
-# Output events a stream reader may fall behind by before it is detached (it still gets
-# the final resource; the generation never waits for it).
-SUBSCRIBER_LIMIT = 256
 # Beyond the engine's own deadline: how long to wait for an engine that went silent.
 ENGINE_SILENCE_GRACE_S = 10.0
+# How often a running generation checks the store for a cancel written by another process.
+STORE_WATCH_PERIOD_S = 2.0
 
 
 @dataclass
@@ -73,67 +73,6 @@ class Plan:
         on_end, self.on_end = self.on_end, None
         if on_end is not None:
             on_end(num_tokens)
-
-
-@dataclass(frozen=True)
-class Event:
-    kind: str  # "delta" | "finished"
-    data: dict[str, Any]
-
-
-class Subscriber:
-    """A stream reader's bounded view of one generation's events."""
-
-    def __init__(self, limit: int = SUBSCRIBER_LIMIT) -> None:
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.limit = limit
-        self.is_detached = False
-
-    def offer(self, event: Event) -> None:
-        if self.is_detached:
-            return
-        if self.queue.qsize() >= self.limit:
-            self.is_detached = True  # a stalled reader never holds the generation back
-            return
-        self.queue.put_nowait(event)
-
-    def close(self, final: Event) -> None:
-        self.queue.put_nowait(final)
-
-
-class Live:
-    """A generation running in this process."""
-
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
-        self.done: asyncio.Future[GenerationRecord] = asyncio.get_running_loop().create_future()
-        self.subscribers: list[Subscriber] = []
-        self.is_cancel_requested = False
-        self.stream: Any = None
-
-    def subscribe(self) -> Subscriber:
-        sub = Subscriber()
-        self.subscribers.append(sub)
-        return sub
-
-    def unsubscribe(self, sub: Subscriber) -> None:
-        if sub in self.subscribers:
-            self.subscribers.remove(sub)
-
-    def request_cancel(self) -> None:
-        self.is_cancel_requested = True
-        if self.stream is not None:
-            self.stream.cancel()
-
-    def publish(self, event: Event) -> None:
-        for sub in self.subscribers:
-            sub.offer(event)
-
-    def finish(self, record: GenerationRecord, resource: dict[str, Any]) -> None:
-        if not self.done.done():
-            self.done.set_result(record)
-        for sub in self.subscribers:
-            sub.close(Event("finished", resource))
 
 
 @dataclass
@@ -162,6 +101,7 @@ class GenerationRunner:
         self.owner = owner
         self.render = render
         self.live: dict[str, Live] = {}
+        self.watch_period_s = STORE_WATCH_PERIOD_S
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ requests
@@ -242,8 +182,23 @@ class GenerationRunner:
         plan.record = running
         progress = Progress()
         if not live.is_cancel_requested:
-            await self._generate(live, progress)
+            watcher = asyncio.get_running_loop().create_task(self._watch_store(live))
+            try:
+                await self._generate(live, progress)
+            finally:
+                watcher.cancel()
         return await self._save(live, self._outcome(live, progress), progress)
+
+    async def _watch_store(self, live: Live) -> None:
+        """Stop the work once its record ended elsewhere (a cancel that reached another
+        ingress replica, which can only write the store)."""
+        record = live.plan.record
+        while True:
+            await asyncio.sleep(self.watch_period_s)
+            stored = await asyncio.to_thread(self.store.get_generation, record.tenant, record.id)
+            if stored is None or stored.is_terminal:
+                live.request_cancel()
+                return
 
     async def _generate(self, live: Live, progress: Progress) -> None:
         plan = live.plan

@@ -14,8 +14,9 @@ import pytest
 from actors.outputs import CompletionDelta, RequestOutput
 from actors.request import FinishReason
 from actors.sampling_params import SamplingParams
+from serve_app.generation_live import Subscriber
 from serve_app.generation_resource import resource_json, usage
-from serve_app.generation_runner import GenerationRunner, Plan, Subscriber
+from serve_app.generation_runner import GenerationRunner, Plan
 from serve_app.profiles import GenerationOptions
 from serve_app.protocol.params import GrammarSpec
 from serve_app.store import (
@@ -303,3 +304,27 @@ def test_the_budget_is_settled_once_to_measured_usage(store: SQLiteStore) -> Non
 
     assert asyncio.run(replay()) is InsertOutcome.REPLAY
     assert settled == [7, 0]
+
+
+def test_a_cancel_through_another_process_stops_the_owner(store: SQLiteStore, tmp_path) -> None:
+    engine = FakeEngine([("x", None)] * 200, delay_s=0.02)
+    owner = runner_for(store, engine)
+    owner.watch_period_s = 0.05
+    other_store = SQLiteStore(tmp_path / "g.sqlite3")  # another ingress replica's connection
+    other = GenerationRunner(
+        other_store, FakeEngine([]), FakeGrammar(), GenerationOptions(), "them", resource_json
+    )
+
+    async def scenario() -> tuple[GenerationRecord, GenerationRecord]:
+        _, live = await owner.submit(plan(), subscribe=False)
+        await asyncio.sleep(0.1)
+        answered = await other.cancel("t1", "gen_1")
+        return answered, await live.done
+
+    try:
+        answered, final = asyncio.run(scenario())
+    finally:
+        other_store.close()
+    assert answered.status == final.status == "cancelled"
+    assert engine.streams[0].is_cancelled  # the owner stopped its engine work
+    assert store.get_generation("t1", "gen_1").status == "cancelled"
