@@ -32,6 +32,7 @@ LIMITED = {
     "max_n": 2,
     "max_stop_sequences": 1,
     "max_grammar_bytes": 64,
+    "max_tools": 1,
 }
 KEYS = {
     "key-alpha": {"id": "alpha", "tenant": "alpha"},
@@ -192,11 +193,16 @@ def test_a_body_over_the_key_limit_is_413_also_when_chunked(keyed: Keyed):
 
 
 SCHEMA = {"type": "object", "properties": {"a_rather_long_property": {"type": "string"}}}
+TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    for name in ("lookup_order", "refund")
+]
 LIMIT_CASES = [
     (chat(n=3, max_tokens=2), "request_limit_exceeded", "max_n", "n"),
     (chat(max_tokens=9), "max_tokens_exceeded", "max_output_tokens", "max_tokens"),
     (chat(stop=["a", "b"], max_tokens=2), "request_limit_exceeded", "max_stop_sequences", "stop"),
     (chat("one two " * 40, max_tokens=2), "context_length_exceeded", "max_prompt_tokens", None),
+    (chat(tools=TOOLS, max_tokens=2), "request_limit_exceeded", "max_tools", "tools"),
     (
         chat(
             max_tokens=2,
