@@ -31,6 +31,7 @@ from serve_app.generation_resource import (
     settle,
     usage,
 )
+from serve_app.metrics import record_latency, record_outcome, record_tokens
 from serve_app.profiles import GenerationOptions
 from serve_app.protocol.params import GrammarSpec
 from serve_app.store import (
@@ -164,8 +165,10 @@ class GenerationRunner:
         finally:
             self.live.pop(plan.record.id, None)
         tokens = final.data.get("usage", {})
-        plan.end(tokens.get("input_tokens", 0) + tokens.get("output_tokens", 0))
+        num_input, num_output = tokens.get("input_tokens", 0), tokens.get("output_tokens", 0)
+        plan.end(num_input + num_output)
         live.finish(final, self.render(final))
+        observe_end(final, time.time() - plan.record.created_at)
 
     async def _execute(self, live: Live) -> GenerationRecord:
         plan = live.plan
@@ -343,6 +346,22 @@ class GenerationRunner:
             except Exception:
                 logger.exception("generation store upkeep failed")
             await asyncio.sleep(period)
+
+
+def observe_end(record: GenerationRecord, seconds: float) -> None:
+    """Metrics of a finished generation (never its text)."""
+    tokens = record.data.get("usage", {})
+    error = record.data.get("error") or {}
+    record_outcome(
+        "generations", record.data.get("finish_reason") or "unknown", error.get("code", "")
+    )
+    record_latency("e2e", seconds, "generations")
+    record_tokens(
+        "generations",
+        tokens.get("input_tokens", 0),
+        tokens.get("output_tokens", 0),
+        tokens.get("cached_input_tokens", 0),
+    )
 
 
 def _runner_cancelled() -> bool:

@@ -9,6 +9,7 @@ Location; stream -> SSE `generation.created`, `output.delta`..., `generation.fin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -74,6 +75,8 @@ class GenerationsAPI:
         # Startup: resources a crashed process left queued/running become failed.
         self.runner.sweep_orphans()
         self._upkeep: asyncio.Task[None] | None = None
+        with contextlib.suppress(RuntimeError):  # no loop yet: the first request starts it
+            self.start_upkeep()
 
     def routes(self) -> list[Route]:
         conv = self.conversations
