@@ -145,11 +145,12 @@ async def _replay_chunks(result: dict, include_usage: bool) -> AsyncIterator[byt
     for choice in result.get("choices", []):
         i = choice["index"]
         if chat:
-            text = (choice.get("message") or {}).get("content") or ""
+            message = choice.get("message") or {}
             yield sse(
                 {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]}
             )
-            yield sse({**base, "choices": [{"index": i, "delta": {"content": text}}]})
+            for delta in _message_deltas(message):
+                yield sse({**base, "choices": [{"index": i, "delta": delta}]})
             end = {"index": i, "delta": {}}
         else:
             yield sse({**base, "choices": [{"index": i, "text": choice.get("text", "")}]})
@@ -159,3 +160,22 @@ async def _replay_chunks(result: dict, include_usage: bool) -> AsyncIterator[byt
     if include_usage:
         yield sse({**base, "choices": [], "usage": result.get("usage")})
     yield DONE
+
+
+def _message_deltas(message: dict) -> list[dict]:
+    """A recorded chat message as stream deltas: reasoning, content, then each tool call (its
+    id, type and name first, then its arguments), as the live stream sent them."""
+    deltas: list[dict] = []
+    if message.get("reasoning_content"):
+        deltas.append({"reasoning_content": message["reasoning_content"]})
+    deltas.append({"content": message.get("content") or ""})
+    for j, call in enumerate(message.get("tool_calls") or []):
+        function = call["function"]
+        head = {"index": j, "id": call["id"], "type": call["type"]}
+        deltas.append(
+            {"tool_calls": [{**head, "function": {"name": function["name"], "arguments": ""}}]}
+        )
+        deltas.append(
+            {"tool_calls": [{"index": j, "function": {"arguments": function["arguments"]}}]}
+        )
+    return deltas

@@ -5,6 +5,7 @@ validates what the model wrote, reasoning has its own channel, bad tool specs ar
 from __future__ import annotations
 
 import json
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -206,6 +207,15 @@ def test_auto_returns_a_malformed_call_as_content(client, model_id, text):
     assert choice.message.content == text and choice.finish_reason == "stop"
     streamed = stream_events(client, model_id, **kwargs)
     assert streamed["calls"] == [] and streamed["content"] == text
+
+
+def test_a_replayed_stream_carries_the_same_calls_and_reasoning(client, model_id):
+    text = "<think>which city</think>\n\nChecking. " + GOOD_CALL
+    headers = {"X-Request-Id": f"tools-{uuid.uuid4().hex}"}
+    kwargs = dict(tools=[WEATHER], extra_body=forced_text(text), extra_headers=headers)
+    first = stream_events(client, model_id, **kwargs)
+    assert first["reasoning"] == "which city" and len(first["calls"]) == 1
+    assert stream_events(client, model_id, **kwargs) == first  # recorded, not generated again
 
 
 def test_tool_choice_none_reads_no_calls(client, model_id):
