@@ -77,7 +77,10 @@ def keyed(serve_url, ray_session, model_dirs, tmp_path_factory, postgres_server)
     entries = [{"sha256": hash_key(key), **entry} for key, entry in KEYS.items()]
     path.write_text(yaml.safe_dump({"keys": entries}))
     store_url = create_database(postgres_server)
-    profile = Profile(name=PROFILE, instructions="Draft a reply.", default_max_output_tokens=8)
+    # Greedy: a generation's length is the same on every run.
+    profile = Profile(
+        name=PROFILE, instructions="Draft a reply.", default_max_output_tokens=8, temperature=0.0
+    )
     config = ServeConfig(
         model=str(model_dirs("llama")),
         served_model_name=MODEL,
@@ -338,6 +341,27 @@ def test_generations_are_tenant_scoped_and_profiles_need_permission(keyed: Keyed
     )
     assert cancel.status_code == 404
     assert get_generation(keyed, "key-alpha", gid).json()["status"] == r.json()["status"]
+
+
+def test_a_running_background_generation_holds_its_key_slot_until_it_ends(keyed: Keyed):
+    r = create_generation(keyed, "key-conc", execution="background", max_output_tokens=900)
+    assert r.status_code == 202, r.text
+    gid = r.json()["id"]
+    # The HTTP exchange is over, the generation is not: it still holds the one slot.
+    second = create_generation(keyed, "key-conc", max_output_tokens=2)
+    assert second.status_code == 429 and error_of(second)["code"] == "concurrency_limit"
+    assert post(keyed, "key-conc", chat(max_tokens=2)).status_code == 429
+    cancel = httpx.post(
+        f"{keyed.url}/v1/generations/{gid}/cancel",
+        headers={"Authorization": "Bearer key-conc"},
+        timeout=30,
+    )
+    assert cancel.status_code == 200
+    deadline = time.monotonic() + 20
+    while ledger_usage("conc")["live_requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ledger_usage("conc")["live_requests"] == 0
+    assert create_generation(keyed, "key-conc", max_output_tokens=2).status_code == 200
 
 
 def test_completed_generations_survive_a_restart_on_postgresql(keyed: Keyed):
