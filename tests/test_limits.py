@@ -223,3 +223,28 @@ def test_limiter_refuses_with_429_naming_the_limit_and_skips_keys_without_budget
     asyncio.run(limiter.reserve(principal(), 10, 10))  # no budgets: the ledger is not asked
     assert ledger.usage("k")["live_requests"] == 1
     assert Meter(prompt_tokens=5).charged_tokens == 5
+
+
+@pytest.mark.ray
+def test_ingress_replicas_share_one_ledger(ray_session):
+    """Two Limiters with one app id (two ingress replicas) see each other's reservations."""
+    first, second = Limiter("shared-ledger-test"), Limiter("shared-ledger-test")
+    key = principal(max_concurrent_requests=1)
+
+    async def run() -> tuple[str | None, errors.APIError]:
+        held = await first.reserve_detached(key, 10, 10)
+        with pytest.raises(errors.APIError) as info:
+            await second.reserve_detached(key, 10, 10)
+        first.settle_detached("k", held, 12)
+        deadline = asyncio.get_running_loop().time() + 10
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                again = await second.reserve_detached(key, 10, 10)
+                return again, info.value
+            except errors.APIError:
+                await asyncio.sleep(0.05)
+        raise AssertionError("the settled slot never came back")
+
+    again, refused = asyncio.run(run())
+    assert refused.code == "concurrency_limit" and again is not None
+    ray_session.kill(first._get_ledger())
