@@ -57,6 +57,8 @@ class FakeStream:
         await asyncio.sleep(self.delay_s)
         if self.is_cancelled:
             raise asyncio.CancelledError
+        if self.error == "raise" and not self.steps:
+            raise RuntimeError("actor died")  # what a lost engine replica looks like
         if self.error is not None and not self.steps:
             return RequestOutput("r", [], [], 0, True, error=self.error, error_code="engine_error")
         if not self.steps:
@@ -166,6 +168,14 @@ def test_engine_error_fails_with_its_code(store: SQLiteStore) -> None:
     final = asyncio.run(run_to_end(runner, plan()))
     assert final.status == "failed"
     assert final.data["error"] == {"code": "engine_error", "message": "worker died"}
+
+
+def test_a_lost_engine_replica_fails_the_generation_as_engine_lost(store: SQLiteStore) -> None:
+    runner = runner_for(store, FakeEngine([("so far", None)], error="raise"))
+    final = asyncio.run(run_to_end(runner, plan()))
+    assert (final.status, final.data["finish_reason"]) == ("failed", "error")
+    assert final.data["error"]["code"] == "engine_lost"
+    assert final.data["usage"]["output_tokens"] == 6 and final.data["usage"]["kind"] == "final"
 
 
 def test_a_failure_after_output_began_ends_the_stream_with_failed(store: SQLiteStore) -> None:
