@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -91,7 +92,10 @@ class GenerationsAPI:
 
     def start_upkeep(self) -> None:
         if self._upkeep is None or self._upkeep.done():
-            self._upkeep = asyncio.get_running_loop().create_task(self.runner.upkeep_forever())
+            # An empty context, as for the runs: no request's cancellation may reach it.
+            self._upkeep = asyncio.get_running_loop().create_task(
+                self.runner.upkeep_forever(), context=contextvars.Context()
+            )
 
     # ------------------------------------------------------------------ endpoints
 
