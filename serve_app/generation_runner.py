@@ -134,7 +134,7 @@ class GenerationRunner:
             return record
         # Owned by another process: end it in the store; the owner's own save then loses.
         outcome = settle(None, "", record.data.get("output_format", "text"), None, cancelled=True)
-        cancelled = self._terminal(record, outcome, record.data.get("usage", {}))
+        cancelled = self._terminal(record, outcome, unmeasured(record))
         if await asyncio.to_thread(self.store.finish_generation, cancelled, UNFINISHED):
             return cancelled
         return await asyncio.to_thread(self.store.get_generation, tenant, generation_id)
@@ -165,7 +165,7 @@ class GenerationRunner:
         finally:
             self.live.pop(plan.record.id, None)
         tokens = final.data.get("usage", {})
-        num_input, num_output = tokens.get("input_tokens", 0), tokens.get("output_tokens", 0)
+        num_input, num_output = tokens.get("input_tokens", 0), tokens.get("output_tokens") or 0
         plan.end(num_input + num_output)
         live.finish(final, self.render(final))
         observe_end(final, time.time() - plan.record.created_at)
@@ -327,8 +327,9 @@ class GenerationRunner:
         orphans = self.store.list_orphaned_generations(self.options.orphan_after_s)
         lost = failed("engine_lost", "the server process running this generation was lost")
         for record in orphans:
-            tokens = {**record.data.get("usage", {}), "kind": "estimate"}
-            self.store.finish_generation(self._terminal(record, lost, tokens), UNFINISHED)
+            self.store.finish_generation(
+                self._terminal(record, lost, unmeasured(record)), UNFINISHED
+            )
         if orphans:
             logger.warning("marked %d orphaned generation(s) failed (engine_lost)", len(orphans))
         return len(orphans)
@@ -348,6 +349,12 @@ class GenerationRunner:
             await asyncio.sleep(period)
 
 
+def unmeasured(record: GenerationRecord) -> dict[str, Any]:
+    """Usage of a generation ended by a process that did not run it: the output it made is
+    unknown here, which is said (null, an estimate), not recorded as zero."""
+    return {**record.data.get("usage", {}), "output_tokens": None, "kind": "estimate"}
+
+
 def observe_end(record: GenerationRecord, seconds: float) -> None:
     """Metrics of a finished generation (never its text)."""
     tokens = record.data.get("usage", {})
@@ -359,7 +366,7 @@ def observe_end(record: GenerationRecord, seconds: float) -> None:
     record_tokens(
         "generations",
         tokens.get("input_tokens", 0),
-        tokens.get("output_tokens", 0),
+        tokens.get("output_tokens") or 0,
         tokens.get("cached_input_tokens", 0),
     )
 

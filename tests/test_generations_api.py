@@ -300,6 +300,7 @@ def test_generations_of_a_lost_process_become_failed_engine_lost(serve_url):
     final = poll(serve_url, gid, TERMINAL, timeout_s=ORPHAN_AFTER_S * 4)
     assert (final["status"], final["finish_reason"]) == ("failed", "error")
     assert final["error"]["code"] == "engine_lost"
+    assert final["usage"]["output_tokens"] is None  # unknown, not zero
 
 
 def test_expired_resources_are_gone(serve_url):

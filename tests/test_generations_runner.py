@@ -289,6 +289,8 @@ def test_orphans_of_a_lost_process_fail_as_engine_lost(store: SQLiteStore) -> No
     got = store.get_generation("t1", "gen_1")
     assert got is not None and got.status == "failed"
     assert got.data["error"]["code"] == "engine_lost" and got.data["finish_reason"] == "error"
+    # What the lost process generated is unknown: said so, not recorded as zero.
+    assert got.data["usage"]["output_tokens"] is None and got.data["usage"]["kind"] == "estimate"
     conv = store.get_conversation("t1", "c1")
     assert conv is not None and conv.pending_generation is None and conv.revision == 0
     assert runner.sweep_orphans() == 0
@@ -336,5 +338,6 @@ def test_a_cancel_through_another_process_stops_the_owner(store: SQLiteStore, tm
     finally:
         other_store.close()
     assert answered.status == final.status == "cancelled"
+    assert answered.data["usage"]["output_tokens"] is None
     assert engine.streams[0].is_cancelled  # the owner stopped its engine work
     assert store.get_generation("t1", "gen_1").status == "cancelled"
