@@ -52,11 +52,13 @@ def test_strict_structured_output_refuses_to_start_when_xgrammar_cannot(model_di
         probe_grammar_backend(strict)
 
 
-@pytest.mark.parametrize(("field", "value"), [("store", "sqlite:///x.db")])
-def test_unimplemented_auth_and_store_are_refused_not_ignored(model_dirs, field, value):
+def test_store_urls_other_than_sqlite_and_postgresql_are_refused(model_dirs):
     from pydantic import ValidationError
 
     from serve_app.config import ServeConfig
 
-    with pytest.raises(ValidationError, match=f"{field}: not supported"):
-        ServeConfig(model=str(model_dirs("llama")), host="0.0.0.0", **{field: value})
+    model = str(model_dirs("llama"))
+    with pytest.raises(ValidationError, match="store: 'mysql://db/x'"):
+        ServeConfig(model=model, store="mysql://db/x")
+    for url in ("sqlite:///x.db", "postgresql://user@db:5432/x"):
+        assert ServeConfig(model=model, store=url).store == url
