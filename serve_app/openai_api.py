@@ -160,6 +160,13 @@ class OpenAIHandlers:
             try:
                 async for out in gen:
                     await queue.put((i, out))
+            except Exception as exc:  # noqa: BLE001 (the replica or its worker died)
+                # A lost engine ends this prompt with an error, never as a short success,
+                # and nothing it started is re-run elsewhere.
+                logger.error("engine stream lost: %s", type(exc).__name__)
+                lost = RequestOutput("", [], [], 0, True, error="the engine replica was lost")
+                lost.error_code = "engine_lost"
+                await queue.put((i, lost))
             finally:
                 await queue.put((i, None))
 

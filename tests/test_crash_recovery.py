@@ -1,0 +1,122 @@
+"""An engine replica dies mid-request: open streams end with an error frame and [DONE],
+a waiting non-streamed request gets a 500 that tells clients not to repeat it, nothing is
+re-run elsewhere, and Serve's replacement replica serves again. A second Serve app in the
+session's Ray, so the shared server is never disturbed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
+
+APP = "serve-app-crash"
+PREFIX = "/crash"
+MODEL = "crash-tiny"
+
+
+@pytest.fixture(scope="module")
+def crash_url(serve_url, ray_session, model_dirs):
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import ServeConfig
+    from serve_app.server import wait_healthy
+
+    config = ServeConfig(
+        model=str(model_dirs("llama")),
+        served_model_name=MODEL,
+        engine={"kv_cache_bytes": 32 * 1024**2},
+    )
+    url = f"{serve_url}{PREFIX}"
+    try:
+        serve.run(build_app(config), name=APP, route_prefix=PREFIX, blocking=False)
+        wait_healthy(url, timeout_s=180)
+        yield url
+    finally:
+        serve.delete(APP)
+
+
+def engine_replica(ray) -> object:
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{APP}#engine#")
+    ]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def read_stream(url: str, frames: list, started: threading.Event) -> None:
+    body = {"model": MODEL, "prompt": "crash", "max_tokens": 1000, "ignore_eos": True}
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as r:
+        frames.append(r.status_code)
+        if r.status_code != 200:
+            frames.append(r.read().decode())
+            started.set()
+            return
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                frames.append(line[6:])
+                if len(frames) == 4:
+                    started.set()
+
+
+def test_a_dead_engine_replica_ends_open_requests_and_is_replaced(crash_url, ray_session):
+    streams = [([], threading.Event()) for _ in range(2)]
+    threads = [
+        threading.Thread(target=read_stream, args=(crash_url, frames, started))
+        for frames, started in streams
+    ]
+    unary: dict = {}
+
+    def post() -> None:
+        body = {"model": MODEL, "prompt": "unary", "max_tokens": 1000, "ignore_eos": True}
+        unary["r"] = httpx.post(f"{crash_url}/v1/completions", json=body, timeout=120)
+
+    for t in threads:
+        t.start()
+    for frames, started in streams:
+        assert started.wait(120) and frames[0] == 200, frames
+    waiter = threading.Thread(target=post)
+    waiter.start()
+    # Kill only once the non-streamed request is running in the engine too.
+    from ray import serve
+
+    engine = serve.get_deployment_handle("engine", app_name=APP)
+    deadline = time.monotonic() + 120
+    while engine.stats.remote().result()["running"] < 3:
+        assert time.monotonic() < deadline, "the non-streamed request never started"
+        time.sleep(0.05)
+    ray_session.kill(engine_replica(ray_session), no_restart=True)
+    for t in [*threads, waiter]:
+        t.join(120)
+        assert not t.is_alive()
+
+    for frames, _ in streams:
+        assert frames[0] == 200
+        assert frames[-1] == "[DONE]"
+        error = json.loads(frames[-2])
+        assert error["error"]["type"] and error["error"]["code"] == "internal_error"
+        # Nothing after the error frame but [DONE]; the text before it was never restarted.
+        assert all("error" not in json.loads(f) for f in frames[1:-2])
+    r = unary["r"]
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert r.headers["x-should-retry"] == "false"
+
+    # Serve replaces the replica; the app serves again within a bounded time.
+    body = {"model": MODEL, "prompt": "again", "max_tokens": 3, "ignore_eos": True}
+    deadline = time.monotonic() + 180
+    while True:
+        again = httpx.post(f"{crash_url}/v1/completions", json=body, timeout=60)
+        if again.status_code == 200:
+            break
+        assert time.monotonic() < deadline, again.text
+        time.sleep(1)
+    assert again.json()["usage"]["completion_tokens"] == 3
