@@ -242,6 +242,34 @@ def test_reasoning_has_its_own_channel(client, model_id, stream):
     assert content == "It is sunny."
 
 
+def test_logprobs_cover_reasoning_and_call_tokens(client, model_id):
+    text = "<think>hm</think>\n\n" + GOOD_CALL
+    kwargs = dict(tools=[WEATHER], logprobs=True, extra_body=forced_text(text))
+
+    def without_stop(tokens: list[str]) -> str:
+        assert tokens[-1] in ("<|im_end|>", "</s>")  # the stop token has a logprob too
+        return "".join(tokens[:-1])
+
+    choice = create(client, model_id, **kwargs).choices[0]
+    assert without_stop([t.token for t in choice.logprobs.content]) == text
+    streamed = []
+    for chunk in create(client, model_id, stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed += [t.token for t in (c.logprobs.content if c.logprobs else None) or []]
+    assert without_stop(streamed) == text
+
+
+def test_each_choice_reads_its_own_calls(client, model_id):
+    tools = [WEATHER, ADD]
+    response = create(client, model_id, tools=tools, tool_choice="required", n=3, seed=5)
+    assert len(response.choices) == 3
+    for choice in response.choices:
+        if choice.finish_reason == "tool_calls":
+            assert_valid_calls(tools, choice.message.tool_calls)
+        else:  # cut by max_tokens after some complete calls
+            assert choice.finish_reason == "length"
+
+
 def test_reasoning_switch_off_keeps_the_text_verbatim(client, model_id):
     body = forced_text(THOUGHT) | {"chat_template_kwargs": {"enable_thinking": False}}
     message = create(client, model_id, extra_body=body).choices[0].message
