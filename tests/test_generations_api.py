@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 from generation_fixtures import ORPHAN_AFTER_S, SESSION, SUPPORT_DRAFT_V1, poll
 
-from serve_app.store import GenerationRecord, SQLiteStore
+from serve_app.store import GenerationRecord
+from serve_app.store_sqlite import SQLiteStore
 
 pytestmark = pytest.mark.serve
 

@@ -25,8 +25,8 @@ from serve_app.store import (
     GenerationRecord,
     IdempotencyKey,
     InsertOutcome,
-    SQLiteStore,
 )
+from serve_app.store_sqlite import SQLiteStore
 
 SCHEMA = {
     "type": "object",

@@ -20,10 +20,10 @@ from serve_app.store import (
     GenerationRecord,
     IdempotencyKey,
     InsertOutcome,
-    SQLiteStore,
     Store,
     TurnAppend,
 )
+from serve_app.store_sqlite import SQLiteStore
 
 BACKENDS = ["sqlite", "postgresql"]
 
