@@ -13,6 +13,7 @@ from starlette.routing import Route
 
 from serve_app import errors
 from serve_app.admin import find_registry
+from serve_app.auth import principal_of
 from serve_app.auth_middleware import admission_middleware
 from serve_app.config import ServeConfig
 from serve_app.generations_api import GenerationsAPI
@@ -100,6 +101,9 @@ class Ingress:
         return JSONResponse({"status": "ok", "model": self.config.model_id})
 
     async def models(self, request: Request) -> Response:
+        # A key lists only the models it may use.
+        if not principal_of(request).can_use_model(self.config.model_id):
+            return JSONResponse({"object": "list", "data": []})
         return JSONResponse(
             {
                 "object": "list",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from serve_app import errors
+from serve_app.auth import KeyLimits
 from serve_app.chat_output import DEFAULT_TOOL_PARSER
 from serve_app.config import ServeConfig
 from serve_app.profiles import generations_info
@@ -14,18 +15,57 @@ from serve_app.tool_parsers import parser_versions
 # Fields that change nothing here: accepted and ignored (never one that changes output).
 IGNORED_FIELDS = ["user", "metadata", "store", "service_tier"]
 
+# ARCHITECTURE.md's outcome table, row by row: one vocabulary mapped per API family.
 OUTCOMES = [
     {
         "cause": "EOS or stop token/string",
         "openai": {"finish_reason": "stop", "stop_reason": "the matched stop"},
+        "generation": {"status": "completed", "finish_reason": "stop"},
+        "batch": {"status": "completed"},
     },
-    {"cause": "max tokens", "openai": {"finish_reason": "length"}},
     {
         "cause": "grammar complete, no continuation but the end",
         "openai": {"finish_reason": "stop", "stop_reason": "grammar_end"},
+        "generation": {"status": "completed", "finish_reason": "stop", "note": "value validated"},
+        "batch": {"status": "completed"},
     },
-    {"cause": "client cancel / disconnect", "openai": {"finish_reason": "abort"}},
-    {"cause": "engine or worker lost, internal error", "openai": "error frame / 500"},
+    {
+        "cause": "max tokens",
+        "openai": {"finish_reason": "length"},
+        "generation": {"status": "incomplete", "finish_reason": "output_limit"},
+        "batch": {"status": "incomplete"},
+    },
+    {
+        "cause": "refusal branch taken",
+        "openai": None,
+        "generation": {"status": "refused", "finish_reason": "refusal"},
+        "batch": {"status": "completed", "note": "refusal text"},
+    },
+    {
+        "cause": "deadline reached while running",
+        "openai": {"finish_reason": "timeout"},
+        "generation": {"status": "incomplete", "finish_reason": "timeout"},
+        "batch": {"status": "failed", "error_code": "timeout"},
+    },
+    {
+        "cause": "client cancel / disconnect",
+        "openai": {"finish_reason": "abort", "note": "stream already closed"},
+        "generation": {"status": "cancelled", "finish_reason": "cancelled"},
+        "batch": None,
+    },
+    {
+        "cause": "slow consumer past its hold deadline",
+        "openai": {"finish_reason": "abort", "stop_reason": "slow_consumer"},
+        "generation": None,
+        "batch": None,
+        "note": "generations detach from slow readers instead",
+    },
+    {
+        "cause": "engine or worker lost, internal error",
+        "openai": "error frame / 500",
+        "generation": {"status": "failed", "finish_reason": "error", "error_code": "engine_lost"},
+        "batch": {"status": "failed", "note": "transient"},
+    },
 ]
 
 
@@ -72,12 +112,31 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "max_top_logprobs": 20,
         },
         "tool_calling": tool_calling_info(config),
+        "auth": {
+            "api_keys_required": config.api_keys is not None,
+            "scheme": "Authorization: Bearer <key>",
+            "per_key_limits": sorted(KeyLimits.model_fields),
+            "other_tenants_resources": "404, never revealed",
+        },
         "parameter_policy": {
             "unknown_fields": "400 unknown_parameter, naming the field",
             "unsupported_fields": "400 unsupported_parameter, naming the field",
             "ignored_fields": IGNORED_FIELDS,
         },
         "token_id_prompts": "special tokens are not added to token-id prompts",
+        "deadlines": {
+            "client": "X-Request-Timeout-Ms header or the `timeout` field (seconds)",
+            "default_timeout_s": config.engine.default_timeout_s,
+            "max_queue_s": config.engine.max_queue_s,
+            "too_short_even_when_idle": "400 deadline_too_short",
+            "queue_makes_it_unmeetable": "503 deadline_unmeetable with Retry-After",
+            "reached_while_running": "finish_reason timeout",
+        },
+        "backpressure": {
+            "output_queue_size": config.engine.output_queue_size,
+            "hold_timeout_s": config.engine.hold_timeout_s,
+            "past_hold_timeout": "finish_reason abort, stop_reason slow_consumer",
+        },
         "disconnect_policy": {
             "openai": "a request is cancelled when its client disconnects",
             "generations": (

@@ -156,6 +156,14 @@ def test_a_model_the_key_may_not_use_is_403(keyed: Keyed):
     r = post(keyed, "key-nomodel", chat(max_tokens=2))
     assert r.status_code == 403
     assert error_of(r)["code"] == "model_not_permitted" and MODEL in error_of(r)["message"]
+    # It is not even listed to that key; a key that may use it sees it.
+    listed = httpx.get(f"{keyed.url}/v1/models", headers={"Authorization": "Bearer key-nomodel"})
+    assert listed.status_code == 200 and listed.json()["data"] == []
+    listed = httpx.get(f"{keyed.url}/v1/models", headers={"Authorization": "Bearer key-alpha"})
+    assert [m["id"] for m in listed.json()["data"]] == [MODEL]
+    info = httpx.get(f"{keyed.url}/v1/server_info", headers={"Authorization": "Bearer key-alpha"})
+    assert info.json()["auth"]["api_keys_required"] is True
+    assert "max_concurrent_requests" in info.json()["auth"]["per_key_limits"]
 
 
 def test_admin_port_takes_only_keys_with_the_admin_permission(keyed: Keyed):
