@@ -45,7 +45,12 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
         if config.ray_address:
             ray.init(address=config.ray_address, log_to_driver=False)
         else:
-            ray.init(include_dashboard=False, log_to_driver=False, **(ray_init_kwargs or {}))
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                log_to_driver=False,
+                **(ray_init_kwargs or {}),
+            )
     global _ADMIN
     # NOTE: one proxy, on the head: the public address of a cluster is its head node.
     serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port})
