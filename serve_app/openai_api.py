@@ -18,7 +18,7 @@ from serve_app.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.config import ServeConfig
 from serve_app.limits import check_request
 from serve_app.openai_admission import Admission, Job
-from serve_app.openai_stream import observe_end, stream_sse
+from serve_app.openai_stream import observe_end, record_cancel, stream_sse
 from serve_app.protocol import parse_request
 from serve_app.request_ids import HEADER as REQUEST_ID_HEADER
 from serve_app.request_ids import RequestIds
@@ -129,7 +129,11 @@ class OpenAIHandlers:
         merged = self._merge(streams, firsts, job)
         if job.req.stream:
             return StreamingResponse(stream_sse(merged, job), media_type="text/event-stream")
-        return await self._collect(merged, job)
+        try:
+            return await self._collect(merged, job)
+        except asyncio.CancelledError:
+            record_cancel(job)
+            raise
 
     async def _first(self, gen, job: Job, prompt_idx: int) -> RequestOutput:
         """The first output decides the status: a grammar that failed is a 400 here."""

@@ -25,10 +25,25 @@ Merged = AsyncIterator[tuple[int, RequestOutput | None]]
 def observe_end(job: Job, choices: list[ChoiceState], usage: Usage) -> None:
     record_latency("e2e", time.monotonic() - job.started, job.endpoint)
     for c in choices:
-        record_outcome(job.endpoint, c.finish_reason or "unknown")
+        # A slow consumer's abort is counted apart from a client's own cancel.
+        code = c.stop_reason if c.stop_reason == "slow_consumer" else ""
+        record_outcome(job.endpoint, c.finish_reason or "unknown", code)
+    logger.info(
+        "request finished: endpoint=%s outcomes=%s prompt_tokens=%d output_tokens=%d",
+        job.endpoint,
+        ",".join(c.finish_reason or "unknown" for c in choices),
+        usage.prompt_tokens,
+        usage.completion_tokens,
+    )
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     record_tokens(job.endpoint, usage.prompt_tokens, usage.completion_tokens, cached)
     record_usage(usage.total_tokens)
+
+
+def record_cancel(job: Job) -> None:
+    """The client went away (Serve cancelled the handler): not an error, not a timeout."""
+    record_outcome(job.endpoint, "cancelled", "client_disconnect")
+    logger.info("request cancelled: endpoint=%s client disconnected", job.endpoint)
 
 
 def delta_chunks(
@@ -102,6 +117,7 @@ async def stream_sse(merged: Merged, job: Job) -> AsyncIterator[bytes]:
             yield state.frame_chunk(fmt.usage_chunk(usage))
         yield state.frame_done()
     except asyncio.CancelledError:
+        record_cancel(job)
         raise
     except Exception:
         logger.exception("stream failed after headers")

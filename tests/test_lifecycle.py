@@ -125,6 +125,11 @@ def test_request_metrics_reach_prometheus(serve_url, model_id, ray_session):
         assert r.status_code == 200 and list(r.iter_lines())
     bad = httpx.post(f"{serve_url}/v1/completions", json={**body, "bogus": 1})
     assert bad.status_code == 400
+    # A client that leaves is counted as a cancel, apart from errors and timeouts.
+    leaving = {**body, "max_tokens": 500, "ignore_eos": True}
+    with httpx.stream("POST", f"{serve_url}/v1/completions", json=leaving) as r:
+        lines = r.iter_lines()
+        next(lines)
     node = ray_session._private.worker.global_worker.node
     url = f"http://127.0.0.1:{node.metrics_export_port}/metrics"
     wanted = [
@@ -134,6 +139,8 @@ def test_request_metrics_reach_prometheus(serve_url, model_id, ray_session):
         "serve_app_queue_seconds",
         'serve_app_requests_total{Component="core_worker"',
         'code="unknown_parameter"',
+        'outcome="cancelled"',
+        'code="client_disconnect"',
         "serve_app_tokens_total",
         "serve_app_engine_kv_blocks_total",
     ]
