@@ -85,6 +85,7 @@ def text_prompts(
     from serve_app.model_factory import corpus_texts
 
     tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.model_max_length = 1 << 30  # the corpus is longer than a context; we cut it
     ids = tokenizer.encode("\n".join(corpus_texts()), add_special_tokens=False)
     rng = random.Random(seed)
     out = []

@@ -196,7 +196,8 @@ def plot(result: dict, path: str) -> None:
             color = line.get_color()
             ax.plot(xs, [lv[key]["p50"] for lv in levels], marker="o", color=color, label=label)
             ax.plot(xs, [lv[key]["p99"] for lv in levels], ls="--", color=color)
-    titles = ("output tokens/s", "TTFT ms (p50 solid, p99 dashed)", "ITL ms (p50, p99)")
+    quantiles = "(p50 solid, p99 dashed)"
+    titles = ("output tokens/s", f"TTFT ms {quantiles}", f"ITL ms {quantiles}")
     for ax, title in zip(axes, titles, strict=True):
         ax.set_title(title)
         ax.set_xscale("log", base=2)
