@@ -40,6 +40,7 @@ bench: $(STAMP)
 	mkdir -p benchmarks/results
 	$(PY) benchmarks/engine.py --out benchmarks/results/engine.json
 	$(PY) benchmarks/serving.py --out benchmarks/results/serving.json
+	$(PY) benchmarks/serving.py --replicas 1,2 --out benchmarks/results/replicas.json
 	$(PY) benchmarks/peer.py --out benchmarks/results/peer.json
 	$(PY) benchmarks/batch.py --out benchmarks/results/batch.json
 

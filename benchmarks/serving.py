@@ -1,6 +1,7 @@
 """Serving benchmark: the HTTP server under a concurrency sweep, side by side with the engine
 driven directly on the same requests, constrained vs unconstrained decode, and grammar
 compile cache hit vs miss. Prints JSON; with --out also writes a PNG next to it.
+`--replicas 1,2` instead compares engine replica counts at one concurrency (default 32).
 """
 
 from __future__ import annotations
@@ -186,11 +187,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--replicas",
+        default=None,
+        help="only compare engine replica counts (e.g. 1,2) at --replica-concurrency",
+    )
+    parser.add_argument("--replica-concurrency", type=int, default=32)
     args = parser.parse_args()
     from serve_app.config import ServeConfig
     from serve_app.server import start, stop
 
     path = checkpoint("llama", "tiny" if args.quick else "bench")
+    if args.replicas:
+        counts = [int(x) for x in args.replicas.split(",")]
+        write_json(replicas_comparison(args, path, counts), args.out)
+        return
     levels = [int(x) for x in args.levels.split(",")]
     reqs = mixed_requests(max(2 * max(levels), 16), 2048, (64, 256), (args.max_tokens,) * 2)
     port = int(os.environ.get("BENCH_PORT", "0")) or _free_port()
@@ -244,6 +255,44 @@ def main() -> None:
     write_json(result, args.out)
     if args.out:
         plot(result, os.path.splitext(args.out)[0] + ".png")
+
+
+def replicas_comparison(args: argparse.Namespace, path: str, counts: list[int]) -> dict:
+    """The same load at one concurrency against 1, 2, ... engine replicas (TP=1 each), one
+    server start per count. On a machine with few cores the replicas share them: the ratio
+    then measures the cost of splitting the batch, not a speed-up."""
+    from serve_app.config import ServeConfig
+    from serve_app.server import start, stop
+
+    c = args.replica_concurrency
+    reqs = mixed_requests(max(4 * c, 16), 2048, (64, 256), (args.max_tokens,) * 2)
+    runs = []
+    for n in counts:
+        config = ServeConfig(
+            model=path,
+            port=_free_port(),
+            admin_port=_free_port(),
+            engine={"replica_cpus": args.threads, "max_model_len": 1024, "num_replicas": n},
+        )
+        url = start(config, ray_init_kwargs={"num_cpus": 8})
+        try:
+            asyncio.run(http_level(url, config.model_id, reqs[:8], 8))  # warm-up
+            level = asyncio.run(http_level(url, config.model_id, reqs, c))
+            time.sleep(1)  # replicas report their stats a few times a second
+            stats = httpx.get(f"http://127.0.0.1:{config.admin_port}/admin/v1/stats").json()
+            # Requests each replica took, warm-up included: Serve spreads them.
+            served = sorted(r["requests_total"] for r in stats["replicas"])
+            runs.append({"replicas": n, **level, "requests_per_replica": served})
+        finally:
+            stop()
+    base = runs[0]["output_tok_s"]
+    return {
+        "checkpoint": "llama-tiny" if args.quick else "llama-bench",
+        "cpus": os.cpu_count(),
+        "threads_per_replica": args.threads,
+        "runs": runs,
+        "tok_s_ratio_vs_first": [r["output_tok_s"] / base for r in runs],
+    }
 
 
 def _free_port() -> int:
