@@ -36,7 +36,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 1024,
-        placement_strategy: str = "PACK",
+        placement_strategy: str = "STRICT_PACK",
     ):
         self.model_config = ModelConfig.from_pretrained(
             model, dtype=resolve_dtype(dtype), max_model_len=max_model_len
