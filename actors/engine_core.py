@@ -191,9 +191,11 @@ class EngineCore:
             )
 
     def set_constraints(self, request_id: str, constraints: list[object]) -> None:
+        now = time.monotonic()
         for seq in self._seqs_of(request_id):
             seq.constraint = constraints[seq.index]
             seq.awaiting_constraint = False
+            seq.constraint_time = now - seq.arrival_time
 
     def abort(
         self,
@@ -340,6 +342,7 @@ class EngineCore:
                     [state.pending.pop(i) for i in sorted(state.pending)],
                     seq0.num_cached_tokens or 0,
                     state.finished,
+                    timeline=seq0.timeline if state.finished else None,
                 )
             )
             if state.finished:
@@ -355,6 +358,8 @@ class EngineCore:
             new_tokens: list[int] = []
         else:
             seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic() - seq.arrival_time
             if seq.constraint is not None:
                 seq.constraint.accept(token)
             new_tokens = [token]

@@ -36,6 +36,9 @@ class RequestOutput:
     # Set when the request ended in an error (engine lost, grammar failed to compile, ...).
     error: str | None = None
     error_code: str | None = None
+    # On the last output: when sample 0 was scheduled, got its grammar and its first token
+    # (seconds from arrival), so grammar/prefill overlap can be read per request.
+    timeline: dict[str, float | None] | None = None
     # The attempt this output belongs to (the fence: a closed attempt's outputs are dropped).
     attempt: int = 0
 

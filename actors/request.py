@@ -59,6 +59,19 @@ class Sequence:
     num_preemptions: int = 0
     # Seconds from arrival to the first step that computed any of its tokens.
     queue_time: float | None = None
+    # Seconds from arrival until its grammar was attached, and until its first token.
+    constraint_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def timeline(self) -> dict[str, float | None]:
+        """When this sample was first scheduled (prefill began), got its grammar, and
+        produced its first token, in seconds from arrival."""
+        return {
+            "scheduled_s": self.queue_time,
+            "grammar_ready_s": self.constraint_time,
+            "first_token_s": self.first_token_time,
+        }
 
     @property
     def num_tokens(self) -> int:
