@@ -80,7 +80,9 @@ class ServerProcess:
 
 def start_ours(path: str, threads: int, log_dir: str, env: dict) -> ServerProcess:
     config = Path(log_dir) / "ours.yaml"
-    config.write_text(json.dumps({"model": path, "engine": {"replica_cpus": threads}}))
+    # A generous placement timeout: a busy machine can be slow to start the replica's worker.
+    engine = {"replica_cpus": threads, "placement_timeout_s": 600}
+    config.write_text(json.dumps({"model": path, "engine": engine}))
     port = free_port()
     argv = [venv_tool("serve-app"), "serve", "--config", str(config), "--port", str(port)]
     argv += ["--admin-port", str(free_port())]
