@@ -205,6 +205,7 @@ def test_tp4_on_2_gpu_nodes_fails_within_the_placement_timeout_naming_bundles_an
     assert 200 not in health, health
     # Bounded: process start and Serve start-up, then the placement timeout, then teardown.
     assert elapsed < PLACEMENT_TIMEOUT_S + 150, elapsed
+    print(f"unplaceable: exited after {elapsed:.1f}s (placement timeout {PLACEMENT_TIMEOUT_S}s)")
     pending = [pg for pg in _topology(cluster)["placement_groups"] if pg["state"] == "PENDING"]
     assert pending == [], "the unplaceable group is removed with the application"
 
@@ -279,6 +280,7 @@ def test_killed_rank_fails_its_streams_the_other_replica_serves_and_serve_replac
             e for e in _replicas_of(topology, "engine") if e["name"].endswith(victim["replica"])
         ]
         os.kill(_ranks_of(topology, engine)[1]["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
         for f in futures:
             f.result(timeout=300)
     endings = Counter(r["ending"] for r in results)
@@ -291,6 +293,7 @@ def test_killed_rank_fails_its_streams_the_other_replica_serves_and_serve_replac
         else:  # the survivor's streams ran to the end, usage included
             assert r["events"][-2]["usage"]["completion_tokens"] == STREAM_TOKENS
     replaced = _wait_replaced(served, victim["replica"], within_s=150)
+    print(f"replica replaced and reporting {time.monotonic() - killed_at:.1f}s after the kill")
     assert {r["node_id"] for r in replaced["replicas"]} == cluster.gpu_nodes
     r = _completion(served.url)
     assert r.status_code == 200, r.text
