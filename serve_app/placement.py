@@ -43,7 +43,11 @@ def unplaced_replicas(app_name: str, deployment: str = ENGINE_DEPLOYMENT) -> lis
     # NOTE: the GCS actor table (a private module) answers without the dashboard, which
     # `serve-app serve` does not start; the public state API needs it.
     prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
-    table = ray._private.state.actors()
+    try:
+        table = ray._private.state.actors()
+    except Exception as exc:  # noqa: BLE001 (e.g. a ray:// client has no GCS view)
+        logger.warning("cannot read the actor table (%s): waiting up to the load timeout", exc)
+        return []
     return sorted(
         a["Name"]
         for a in table.values()
