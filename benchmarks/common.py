@@ -74,7 +74,7 @@ def venv_tool(name: str) -> str:
 
 
 def text_prompts(
-    model: str, n: int, prompt_range=(64, 256), seed: int = 0
+    model: str, n: int, prompt_range: tuple[int, int] = (64, 256), seed: int = 0
 ) -> list[tuple[str, int]]:
     """`n` text prompts cut from the packaged corpus, with their length in the model's tokens.
 

@@ -20,7 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -35,6 +37,8 @@ from common import (  # noqa: E402
 )
 
 TARGET_THROUGHPUT_RATIO_AT_16 = 1.5  # ours / theirs, output tokens/s
+
+Prompt = tuple[str, int]  # text, its length in the checkpoint's tokens
 
 
 class ServerProcess:
@@ -96,7 +100,9 @@ def start_theirs(path: str, log_dir: str, env: dict) -> ServerProcess:
     return ServerProcess("theirs", argv, port, log_dir, env)
 
 
-async def one_request(client, url, model, prompt, max_tokens, tokenizer) -> dict:
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, tokenizer: Any
+) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
     body |= {"temperature": 0, "stream": True}
     start = time.perf_counter()
@@ -125,7 +131,14 @@ async def one_request(client, url, model, prompt, max_tokens, tokenizer) -> dict
     }
 
 
-async def run_level(url, model, requests, concurrency, max_tokens, tokenizer) -> dict:
+async def run_level(
+    url: str,
+    model: str,
+    requests: list[Prompt],
+    concurrency: int,
+    max_tokens: int,
+    tokenizer: Any,
+) -> dict:
     """`requests` through `concurrency` closed-loop clients; latency percentiles and tokens/s."""
     queue = list(requests)
     results: list[dict] = []
@@ -154,7 +167,14 @@ async def run_level(url, model, requests, concurrency, max_tokens, tokenizer) ->
     }
 
 
-def sweep(server: ServerProcess, requests, levels, per_level, max_tokens, tokenizer) -> list:
+def sweep(
+    server: ServerProcess,
+    requests: list[Prompt],
+    levels: list[int],
+    per_level: Callable[[int], int],
+    max_tokens: int,
+    tokenizer: Any,
+) -> list[dict]:
     server.wait_healthy(timeout_s=600)
     model = server.model_id()
     # Warm-up: first-request costs (lazy init, allocator growth) are not what we compare.

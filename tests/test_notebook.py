@@ -18,7 +18,7 @@ SERVER_LINE = re.compile(r"server pid (\d+) serving at \S+:(\d+)")
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(1800)]
 
 
-def _outputs_text(cell) -> str:
+def _outputs_text(cell: dict) -> str:
     parts = []
     for out in cell.get("outputs", []):
         if out.get("output_type") == "stream":
@@ -42,7 +42,9 @@ def _is_running(pid: int) -> bool:
     return "\nState:\tZ" not in status  # a zombie has exited; only its entry is left
 
 
-def test_quickstart_notebook_runs_and_stops_its_server(tmp_path, monkeypatch):
+def test_quickstart_notebook_runs_and_stops_its_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import nbformat
     from nbclient import NotebookClient
 
