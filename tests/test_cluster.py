@@ -270,8 +270,12 @@ def test_killed_rank_fails_its_streams_the_other_replica_serves_and_serve_replac
     results: list[dict] = [{"started": threading.Event()} for _ in range(num_streams)]
     with ThreadPoolExecutor(num_streams) as pool:
         futures = [pool.submit(_stream, served.url, r) for r in results]
-        for r in results:  # every stream is past its headers and producing tokens
-            assert r["started"].wait(120), "a stream did not start"
+        deadline = time.monotonic() + 120
+        for r, f in zip(results, futures, strict=True):  # all past headers, producing tokens
+            while not r["started"].wait(0.5):
+                if f.done():
+                    f.result()  # a stream that failed before its first token says why
+                assert time.monotonic() < deadline, "a stream did not start"
         snapshot = _wait_all_live(served, num_streams)
         victim = max(snapshot["replicas"], key=lambda r: r["live_requests"])
         survivor = next(r for r in snapshot["replicas"] if r is not victim)

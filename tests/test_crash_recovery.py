@@ -20,17 +20,24 @@ MODEL = "crash-tiny"
 
 
 @pytest.fixture(scope="module")
-def crash_url(serve_url, ray_session, model_dirs):
+def crash_url(serve_url, ray_session, model_dirs, tmp_path_factory):
     from ray import serve
 
     from serve_app.app import build_app
     from serve_app.config import ServeConfig
+    from serve_app.profiles import GenerationOptions, Profile
     from serve_app.server import wait_healthy
 
+    profile = Profile(
+        name="essay", version="1", instructions="Write at length.", max_output_tokens=900
+    )
     config = ServeConfig(
         model=str(model_dirs("llama")),
         served_model_name=MODEL,
         engine={"kv_cache_bytes": 32 * 1024**2},
+        generations=GenerationOptions(
+            data_dir=str(tmp_path_factory.mktemp("crash-data")), profiles=(profile,)
+        ),
     )
     url = f"{serve_url}{PREFIX}"
     try:
@@ -49,6 +56,30 @@ def engine_replica(ray) -> object:
     ]
     assert len(names) == 1, names
     return ray.get_actor(names[0], namespace="serve")
+
+
+def kill_engine_when_running(ray, count: int) -> None:
+    """Kill the engine replica once `count` requests are running in it."""
+    from ray import serve
+
+    engine = serve.get_deployment_handle("engine", app_name=APP)
+    deadline = time.monotonic() + 120
+    while engine.stats.remote().result()["running"] < count:
+        assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.05)
+    ray.kill(engine_replica(ray), no_restart=True)
+
+
+def serves_again(url: str) -> dict:
+    """Serve replaces the replica; the app serves again within a bounded time."""
+    body = {"model": MODEL, "prompt": "again", "max_tokens": 3, "ignore_eos": True}
+    deadline = time.monotonic() + 180
+    while True:
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        if again.status_code == 200:
+            return again.json()
+        assert time.monotonic() < deadline, again.text
+        time.sleep(1)
 
 
 def read_stream(url: str, frames: list, started: threading.Event) -> None:
@@ -87,14 +118,7 @@ def test_a_dead_engine_replica_ends_open_requests_and_is_replaced(crash_url, ray
     waiter = threading.Thread(target=post)
     waiter.start()
     # Kill only once the non-streamed request is running in the engine too.
-    from ray import serve
-
-    engine = serve.get_deployment_handle("engine", app_name=APP)
-    deadline = time.monotonic() + 120
-    while engine.stats.remote().result()["running"] < 3:
-        assert time.monotonic() < deadline, "the non-streamed request never started"
-        time.sleep(0.05)
-    ray_session.kill(engine_replica(ray_session), no_restart=True)
+    kill_engine_when_running(ray_session, 3)
     for t in [*threads, waiter]:
         t.join(120)
         assert not t.is_alive()
@@ -110,13 +134,32 @@ def test_a_dead_engine_replica_ends_open_requests_and_is_replaced(crash_url, ray
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
     assert r.headers["x-should-retry"] == "false"
 
-    # Serve replaces the replica; the app serves again within a bounded time.
-    body = {"model": MODEL, "prompt": "again", "max_tokens": 3, "ignore_eos": True}
-    deadline = time.monotonic() + 180
+    assert serves_again(crash_url)["usage"]["completion_tokens"] == 3
+
+
+def test_a_background_generation_whose_engine_dies_is_failed_not_left_running(
+    crash_url, ray_session
+):
+    body = {
+        "profile": "essay",
+        "input": "Tell a long story.",
+        "max_output_tokens": 900,
+        "execution": "background",
+    }
+    r = httpx.post(f"{crash_url}/v1/generations", json=body, timeout=60)
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    kill_engine_when_running(ray_session, 1)
+    killed = time.monotonic()
     while True:
-        again = httpx.post(f"{crash_url}/v1/completions", json=body, timeout=60)
-        if again.status_code == 200:
+        # Location is an absolute path (it carries the app's route prefix).
+        got = httpx.get(str(httpx.URL(crash_url).join(location)), timeout=30)
+        assert got.status_code == 200, (got.status_code, got.text)
+        resource = got.json()
+        if resource["status"] not in ("queued", "running"):
             break
-        assert time.monotonic() < deadline, again.text
-        time.sleep(1)
-    assert again.json()["usage"]["completion_tokens"] == 3
+        assert time.monotonic() - killed < 30, "left running after its engine died"
+        time.sleep(0.1)
+    assert resource["status"] == "failed"
+    assert resource["error"]["code"] == "engine_lost"
+    serves_again(crash_url)

@@ -388,4 +388,4 @@ def test_cli_serve_refuses_a_folder_that_is_not_a_checkpoint(tmp_path: Path, cap
 def test_cli_serve_refuses_a_public_host_without_api_keys(model_dirs, capsys) -> None:
     model = str(model_dirs("llama"))
     assert cli.main(["serve", "--model", model, "--host", "0.0.0.0"]) == 2
-    assert "without api_keys_file" in capsys.readouterr().err
+    assert "without API keys" in capsys.readouterr().err
