@@ -55,6 +55,39 @@ def unplaced_replicas(app_name: str, deployment: str = ENGINE_DEPLOYMENT) -> lis
     )
 
 
+def pending_groups(app_name: str, deployment: str = ENGINE_DEPLOYMENT) -> list[str]:
+    """Names of the deployment's replica placement groups Ray has not placed yet."""
+    marker = f"{app_name}#{deployment}#"
+    try:
+        table = ray.util.placement_group_table()
+    except Exception as exc:  # noqa: BLE001 (e.g. a ray:// client has no GCS view)
+        logger.warning("cannot read placement groups (%s): waiting up to the load timeout", exc)
+        return []
+    return sorted(
+        pg.get("name", "")
+        for pg in table.values()
+        if marker in pg.get("name", "") and pg.get("state") == "PENDING"
+    )
+
+
+def fits_the_cluster(bundles: list[dict[str, float]], strategy: str) -> bool:
+    """Whether some alive node (all of the bundles on one node for STRICT_PACK) has the
+    resources in total, busy or not: a request that fits waits for them; one that never
+    can is what the placement timeout is for."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+
+    def fits(need: dict[str, float], node: dict[str, float]) -> bool:
+        return all(node.get(k, 0.0) >= v for k, v in need.items())
+
+    if strategy == "STRICT_PACK":
+        total: dict[str, float] = {}
+        for bundle in bundles:
+            for k, v in bundle.items():
+                total[k] = total.get(k, 0.0) + v
+        return any(fits(total, node) for node in nodes)
+    return all(any(fits(b, node) for node in nodes) for b in bundles)
+
+
 def wait_deployed(
     app_name: str,
     config: ServeConfig,
@@ -77,10 +110,17 @@ def wait_deployed(
         if status == ApplicationStatus.DEPLOY_FAILED:
             raise DeploymentFailed(f"the deployment failed: {app.message}")
         if time.monotonic() > deadline:
-            unplaced = unplaced_replicas(app_name)
+            bundles = requested_bundles(engine_options)
+            strategy = engine_options.get("placement_group_strategy", "one actor")
+            # NOTE: a replica whose worker is still starting (a busy machine) is also
+            # PENDING_CREATION: a replica with a placement group is unplaced while its group
+            # is pending; one without, when no node could ever hold it.
+            if "placement_group_bundles" in engine_options:
+                unplaced = pending_groups(app_name)
+            else:
+                unplaced = unplaced_replicas(app_name)
+                unplaced = [] if fits_the_cluster(bundles, strategy) else unplaced
             if unplaced:
-                bundles = requested_bundles(engine_options)
-                strategy = engine_options.get("placement_group_strategy", "one actor")
                 raise DeploymentFailed(
                     f"{len(unplaced)} engine replica(s) could not be placed: "
                     + placement_failure_message(bundles, strategy, timeout_s)

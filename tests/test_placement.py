@@ -48,3 +48,20 @@ def test_cpu_deployments_ask_for_no_gpu_and_the_head_unless_told_otherwise(model
     assert on_head == {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
     anywhere = cpu_actor_options(ServeConfig(model=model, cpu_deployments_on_head=False))
     assert anywhere == {"num_cpus": 0}
+
+
+def test_a_request_fits_the_cluster_only_if_some_node_could_ever_hold_it(monkeypatch):
+    from serve_app import placement
+
+    gpu_node = {"Alive": True, "Resources": {"CPU": 2.0, "GPU": 2.0}}
+    head = {"Alive": True, "Resources": {"CPU": 2.0}}
+    dead = {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}}
+    monkeypatch.setattr(placement.ray, "nodes", lambda: [head, gpu_node, gpu_node, dead])
+    rank = {"GPU": 1.0, "CPU": 1.0}
+    # Busy or still starting is not unplaceable: two ranks fit one 2-GPU node in total.
+    assert placement.fits_the_cluster([{"CPU": 1.0}, rank], "STRICT_PACK")
+    # Four ranks packed on one node fit none (the dead node does not count).
+    assert not placement.fits_the_cluster([{"CPU": 1.0}, rank, rank, rank, rank], "STRICT_PACK")
+    # Spread, each bundle only needs some node.
+    assert placement.fits_the_cluster([rank] * 4, "SPREAD")
+    assert not placement.fits_the_cluster([{"GPU": 4.0}], "one actor")
