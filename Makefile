@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/serving.py --replicas 1,2 --out benchmarks/results/replicas.json
 	$(PY) benchmarks/peer.py --out benchmarks/results/peer.json
 	$(PY) benchmarks/batch.py --out benchmarks/results/batch.json
+	$(PY) benchmarks/lifecycle.py --out benchmarks/results/lifecycle.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache
