@@ -95,3 +95,36 @@ def text_prompts(
         text = tokenizer.decode(ids[start : start + length])
         out.append((text, len(tokenizer.encode(text, add_special_tokens=False))))
     return out
+
+
+async def closed_loop(items: list, concurrency: int, send) -> tuple[list[dict], float]:
+    """`await send(item)` for every item through `concurrency` closed-loop clients, in
+    order; the results and the wall time."""
+    import asyncio
+
+    queue = list(items)
+    results: list[dict] = []
+
+    async def worker() -> None:
+        while queue:
+            results.append(await send(queue.pop(0)))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+def stream_summary(results: list[dict], seconds: float) -> dict:
+    """Throughput and latency percentiles of streamed requests, each a dict with `ttft`
+    (s), `itl` (list of s) and `tokens`."""
+    ttft = [r["ttft"] for r in results]
+    itl = [x for r in results for x in r["itl"]]
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "requests": len(results),
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "output_tok_s": tokens / seconds,
+        "ttft_ms": {"p50": percentile(ttft, 50) * 1e3, "p99": percentile(ttft, 99) * 1e3},
+        "itl_ms": {"p50": percentile(itl, 50) * 1e3, "p99": percentile(itl, 99) * 1e3},
+    }

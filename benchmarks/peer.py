@@ -29,8 +29,9 @@ import httpx
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     checkpoint,
+    closed_loop,
     free_port,
-    percentile,
+    stream_summary,
     text_prompts,
     venv_tool,
     write_json,
@@ -140,30 +141,18 @@ async def run_level(
     tokenizer: Any,
 ) -> dict:
     """`requests` through `concurrency` closed-loop clients; latency percentiles and tokens/s."""
-    queue = list(requests)
-    results: list[dict] = []
     async with httpx.AsyncClient(timeout=900) as client:
 
-        async def worker() -> None:
-            while queue:
-                prompt, _ = queue.pop(0)
-                results.append(await one_request(client, url, model, prompt, max_tokens, tokenizer))
+        async def send(item: Prompt) -> dict:
+            return await one_request(client, url, model, item[0], max_tokens, tokenizer)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-    ttft = [r["ttft"] for r in results]
-    itl = [x for r in results for x in r["itl"]]
-    tokens = sum(r["tokens"] for r in results)
+        results, seconds = await closed_loop(requests, concurrency, send)
+    chunks = sum(r["chunks"] for r in results)
+    summary = stream_summary(results, seconds)
     return {
         "concurrency": concurrency,
-        "requests": len(results),
-        "output_tokens": tokens,
-        "seconds": seconds,
-        "output_tok_s": tokens / seconds,
-        "tokens_per_chunk": tokens / max(1, sum(r["chunks"] for r in results)),
-        "ttft_ms": {"p50": percentile(ttft, 50) * 1e3, "p99": percentile(ttft, 99) * 1e3},
-        "itl_ms": {"p50": percentile(itl, 50) * 1e3, "p99": percentile(itl, 99) * 1e3},
+        **summary,
+        "tokens_per_chunk": summary["output_tokens"] / max(1, chunks),
     }
 
 

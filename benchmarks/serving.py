@@ -17,7 +17,14 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import checkpoint, mixed_requests, write_json  # noqa: E402
+from common import (  # noqa: E402
+    checkpoint,
+    closed_loop,
+    free_port,
+    mixed_requests,
+    stream_summary,
+    write_json,
+)
 
 SCHEMA = {
     "type": "object",
@@ -28,13 +35,6 @@ SCHEMA = {
     },
     "required": ["name", "score", "tags"],
 }
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
 async def one_request(client, url, model, prompt, max_tokens, extra) -> dict:
@@ -70,28 +70,14 @@ async def one_request(client, url, model, prompt, max_tokens, extra) -> dict:
 
 async def http_level(url, model, requests, concurrency, extra=None) -> dict:
     extra = {"ignore_eos": True, "stream_options": {"include_usage": True}, **(extra or {})}
-    queue = list(requests)
-    results = []
     async with httpx.AsyncClient(timeout=600) as client:
 
-        async def worker():
-            while queue:
-                prompt, max_tokens = queue.pop()
-                results.append(await one_request(client, url, model, prompt, max_tokens, extra))
+        async def send(item):
+            prompt, max_tokens = item
+            return await one_request(client, url, model, prompt, max_tokens, extra)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-    ttft = [r["ttft"] for r in results]
-    itl = [x for r in results for x in r["itl"]]
-    tokens = sum(r["tokens"] for r in results)
-    return {
-        "concurrency": concurrency,
-        "requests": len(results),
-        "output_tok_s": tokens / seconds,
-        "ttft_ms": {"p50": pct(ttft, 50) * 1e3, "p99": pct(ttft, 99) * 1e3},
-        "itl_ms": {"p50": pct(itl, 50) * 1e3, "p99": pct(itl, 99) * 1e3},
-    }
+        results, seconds = await closed_loop(requests, concurrency, send)
+    return {"concurrency": concurrency, **stream_summary(results, seconds)}
 
 
 def direct_level(path: str, requests, concurrency: int, threads: int) -> float:
@@ -204,7 +190,7 @@ def main() -> None:
         return
     levels = [int(x) for x in args.levels.split(",")]
     reqs = mixed_requests(max(2 * max(levels), 16), 2048, (64, 256), (args.max_tokens,) * 2)
-    port = int(os.environ.get("BENCH_PORT", "0")) or _free_port()
+    port = int(os.environ.get("BENCH_PORT", "0")) or free_port()
     config = ServeConfig(
         model=path,
         port=port,
@@ -270,8 +256,8 @@ def replicas_comparison(args: argparse.Namespace, path: str, counts: list[int]) 
     for n in counts:
         config = ServeConfig(
             model=path,
-            port=_free_port(),
-            admin_port=_free_port(),
+            port=free_port(),
+            admin_port=free_port(),
             engine={"replica_cpus": args.threads, "max_model_len": 1024, "num_replicas": n},
         )
         url = start(config, ray_init_kwargs={"num_cpus": 8})
@@ -293,14 +279,6 @@ def replicas_comparison(args: argparse.Namespace, path: str, counts: list[int]) 
         "runs": runs,
         "tok_s_ratio_vs_first": [r["output_tok_s"] / base for r in runs],
     }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
