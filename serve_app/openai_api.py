@@ -16,7 +16,7 @@ from serve_app import errors
 from serve_app.auth import principal_of
 from serve_app.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.config import ServeConfig
-from serve_app.limits import check_request
+from serve_app.limits import check_request, record_usage
 from serve_app.openai_admission import Admission, Job
 from serve_app.openai_stream import observe_end, record_cancel, stream_sse
 from serve_app.protocol import parse_request
@@ -202,17 +202,22 @@ class OpenAIHandlers:
     async def _collect(self, merged, job: Job) -> Response:
         choices = job.new_choices()
         cached = [0] * len(job.engine_requests)
-        async for i, out in merged:
-            if out is None:
-                for c in choices:
-                    if c.finish_reason is None:
-                        c.finish("timeout")
-                break
-            if out.error is not None:
-                raise errors.internal_error(f"The engine failed: {out.error}", retryable=False)
-            cached[i] = out.num_cached_tokens
-            for d in out.deltas:
-                choices[i * job.n + d.index].add(d)
+        try:
+            async for i, out in merged:
+                if out is None:
+                    for c in choices:
+                        if c.finish_reason is None:
+                            c.finish("timeout")
+                    break
+                if out.error is not None:
+                    raise errors.internal_error(f"The engine failed: {out.error}", retryable=False)
+                cached[i] = out.num_cached_tokens
+                for d in out.deltas:
+                    choices[i * job.n + d.index].add(d)
+        except asyncio.CancelledError:
+            # The key's budget settles to what was produced before the client left.
+            record_usage(job.usage(choices, cached).total_tokens)
+            raise
         usage = job.usage(choices, cached)
         observe_end(job, choices, usage)
         body = job.formatter.body(choices, usage, job.choice_echo())

@@ -117,6 +117,8 @@ async def stream_sse(merged: Merged, job: Job) -> AsyncIterator[bytes]:
             yield state.frame_chunk(fmt.usage_chunk(usage))
         yield state.frame_done()
     except asyncio.CancelledError:
+        # The key's budget settles to what was produced before the client left.
+        record_usage(job.usage(choices, cached).total_tokens)
         record_cancel(job)
         raise
     except Exception:

@@ -1,7 +1,8 @@
 """An engine replica dies mid-request: open streams end with an error frame and [DONE],
 a waiting non-streamed request gets a 500 that tells clients not to repeat it, nothing is
-re-run elsewhere, and Serve's replacement replica serves again. A second Serve app in the
-session's Ray, so the shared server is never disturbed."""
+re-run elsewhere, and Serve's replacement replica serves again; completed generations
+survive a restart on the SQLite store. A second Serve app in the session's Ray, so the
+shared server is never disturbed."""
 
 from __future__ import annotations
 
@@ -23,10 +24,8 @@ MODEL = "crash-tiny"
 def crash_url(serve_url, ray_session, model_dirs, tmp_path_factory):
     from ray import serve
 
-    from serve_app.app import build_app
     from serve_app.config import ServeConfig
     from serve_app.profiles import GenerationOptions, Profile
-    from serve_app.server import wait_healthy
 
     profile = Profile(
         name="essay", version="1", instructions="Write at length.", max_output_tokens=900
@@ -40,12 +39,25 @@ def crash_url(serve_url, ray_session, model_dirs, tmp_path_factory):
         ),
     )
     url = f"{serve_url}{PREFIX}"
+    DEPLOYED["config"] = config
     try:
-        serve.run(build_app(config), name=APP, route_prefix=PREFIX, blocking=False)
-        wait_healthy(url, timeout_s=180)
+        deploy(config, url)
         yield url
     finally:
         serve.delete(APP)
+
+
+DEPLOYED: dict = {}
+
+
+def deploy(config, url: str) -> None:
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.server import wait_healthy
+
+    serve.run(build_app(config), name=APP, route_prefix=PREFIX, blocking=False)
+    wait_healthy(url, timeout_s=180)
 
 
 def engine_replica(ray) -> object:
@@ -163,3 +175,18 @@ def test_a_background_generation_whose_engine_dies_is_failed_not_left_running(
     assert resource["status"] == "failed"
     assert resource["error"]["code"] == "engine_lost"
     serves_again(crash_url)
+
+
+def test_completed_generations_survive_a_restart_on_sqlite(crash_url):
+    from ray import serve
+
+    body = {"profile": "essay", "input": "A short one.", "max_output_tokens": 4}
+    r = httpx.post(f"{crash_url}/v1/generations", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    before = r.json()
+    assert before["status"] in ("completed", "incomplete")
+    serve.delete(APP)
+    assert httpx.get(f"{crash_url}/health", timeout=10).status_code == 404
+    deploy(DEPLOYED["config"], crash_url)
+    after = httpx.get(f"{crash_url}/v1/generations/{before['id']}", timeout=30)
+    assert after.status_code == 200 and after.json() == before
