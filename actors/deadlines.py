@@ -61,6 +61,44 @@ class DeadlineConfig:
                 raise ValueError(f"{name}: must be > 0 or None, got {value}")
 
 
+def veto_hopeless(
+    cost: CostModel,
+    config: DeadlineConfig,
+    tokens_ahead: int,
+    num_prompt_tokens: int,
+    timeout_s: float | None,
+) -> None:
+    """Raise RequestRejected for a request the measured cost says cannot make its client's
+    deadline (too short even when idle, or made hopeless by the queue) or would wait longer
+    than the server's maximum queue time."""
+    max_queue_s = config.max_queue_s
+    if timeout_s is None and max_queue_s is None:
+        return
+    alone = cost.time_to_first_token(0, num_prompt_tokens)
+    if timeout_s is not None and alone > timeout_s:
+        raise RequestRejected(
+            "deadline_too_short",
+            f"timeout: {timeout_s:.3f}s is below the ~{alone:.3f}s this prompt needs "
+            "even on an idle server",
+        )
+    estimate = cost.time_to_first_token(tokens_ahead, num_prompt_tokens)
+    if timeout_s is not None and estimate > timeout_s:
+        raise RequestRejected(
+            "deadline_unmeetable",
+            f"timeout: the queue ({tokens_ahead} tokens ahead) puts the first token at "
+            f"~{estimate:.3f}s, past the {timeout_s:.3f}s deadline",
+            retry_after_s=max(1.0, estimate - timeout_s),
+        )
+    wait = cost.time_to_first_token(tokens_ahead, 0)
+    if max_queue_s is not None and wait > max_queue_s:
+        raise RequestRejected(
+            "deadline_unmeetable",
+            f"the queue ({tokens_ahead} tokens ahead) would hold this request ~{wait:.3f}s, "
+            f"past the server's maximum queue time of {max_queue_s:.3f}s",
+            retry_after_s=max(1.0, wait - max_queue_s),
+        )
+
+
 @dataclass
 class DeadlineTracker:
     deadlines: dict[str, float] = field(default_factory=dict)

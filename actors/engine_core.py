@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from actors.deadlines import CostModel, DeadlineConfig, DeadlineTracker, RequestRejected
+from actors.deadlines import (
+    CostModel,
+    DeadlineConfig,
+    DeadlineTracker,
+    veto_hopeless,
+)
 from actors.detokenizer import IncrementalDetokenizer
 from actors.executor import ExecutorError, make_executor
 from actors.grammar_state import allocate_bitmask
@@ -161,34 +166,9 @@ class EngineCore:
     def _veto_hopeless(self, num_prompt_tokens: int, timeout_s: float | None) -> None:
         """Refuse before prefill what the measured cost model says cannot make its deadline
         (the client's, or the server's bound on queue time)."""
-        max_queue_s = self.deadline_config.max_queue_s
-        if timeout_s is None and max_queue_s is None:
-            return
-        alone = self.cost.time_to_first_token(0, num_prompt_tokens)
-        if timeout_s is not None and alone > timeout_s:
-            raise RequestRejected(
-                "deadline_too_short",
-                f"timeout: {timeout_s:.3f}s is below the ~{alone:.3f}s this prompt needs "
-                "even on an idle server",
-            )
         ahead = sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
         ahead += sum(s.num_uncomputed_tokens - 1 for s in self.scheduler.running)
-        estimate = self.cost.time_to_first_token(ahead, num_prompt_tokens)
-        if timeout_s is not None and estimate > timeout_s:
-            raise RequestRejected(
-                "deadline_unmeetable",
-                f"timeout: the queue ({ahead} tokens ahead) puts the first token at "
-                f"~{estimate:.3f}s, past the {timeout_s:.3f}s deadline",
-                retry_after_s=max(1.0, estimate - timeout_s),
-            )
-        wait = self.cost.time_to_first_token(ahead, 0)
-        if max_queue_s is not None and wait > max_queue_s:
-            raise RequestRejected(
-                "deadline_unmeetable",
-                f"the queue ({ahead} tokens ahead) would hold this request ~{wait:.3f}s, "
-                f"past the server's maximum queue time of {max_queue_s:.3f}s",
-                retry_after_s=max(1.0, wait - max_queue_s),
-            )
+        veto_hopeless(self.cost, self.deadline_config, ahead, num_prompt_tokens, timeout_s)
 
     def set_constraints(self, request_id: str, constraints: list[object]) -> None:
         now = time.monotonic()
