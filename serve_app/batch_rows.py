@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from actors.sampling_params import SamplingParams
 from serve_app.grammar import GrammarSpec
-from serve_app.protocol.params import ResponseFormat, canonical_json
+from serve_app.protocol.params import ResponseFormat, canonical_json, schema_json
 
 PROMPT_COLUMNS = ("prompt", "prompt_token_ids", "messages")
 # Per-row sampling columns (null = the job's default); names and ranges as SamplingParams.
@@ -196,7 +196,7 @@ def grammar_spec(raw: Any) -> GrammarSpec | None:
     if kind == "json_schema":
         if not isinstance(value, dict | bool):
             raise RowError("invalid_grammar", "response_format.json_schema: must be a schema")
-        return GrammarSpec(kind, canonical_json(value))
+        return GrammarSpec(kind, schema_json(value))
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
             raise RowError("invalid_grammar", "response_format.choice: a non-empty string list")
@@ -219,4 +219,4 @@ def _openai_format(spec: dict[str, Any]) -> GrammarSpec | None:
     if rf.type == "json_object":
         return GrammarSpec("json_object", "")
     assert rf.json_schema is not None  # ResponseFormat's validator guarantees it
-    return GrammarSpec("json_schema", canonical_json(rf.json_schema.schema_))
+    return GrammarSpec("json_schema", schema_json(rf.json_schema.schema_))

@@ -26,7 +26,7 @@ from serve_app.profiles import (
     constrained_schema,
     format_instructions,
 )
-from serve_app.protocol.params import GrammarSpec, canonical_json
+from serve_app.protocol.params import GrammarSpec, schema_json
 from serve_app.store import ConversationTurn, GenerationRecord, IdempotencyKey, Store
 
 OPERATION = "generations.create"
@@ -118,7 +118,7 @@ class GenerationAdmission:
         schema = self.options.output_formats.get(output_format)
         grammar = None
         if schema is not None:
-            grammar = GrammarSpec("json_schema", canonical_json(constrained_schema(schema)))
+            grammar = GrammarSpec("json_schema", schema_json(constrained_schema(schema)))
         conversation = None
         if req.conversation is not None:
             conversation = req.conversation.model_dump()

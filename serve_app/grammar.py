@@ -24,6 +24,7 @@ import xgrammar as xgr
 
 from actors.grammar_cache import load_tokenizer_info
 from serve_app.identity import tokenizer_hash
+from serve_app.protocol.json_schema import schema_json
 
 logger = logging.getLogger(__name__)
 
@@ -331,14 +332,7 @@ SUPPORTED_JSON_SCHEMA: dict[str, Any] = {
     "output": "no whitespace beyond ', ' and ': ' separators; unlisted properties rejected",
 }
 
-# Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
-_SUBSCHEMA = frozenset({
-    "items", "additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
-    "unevaluatedProperties", "unevaluatedItems", "additionalItems",
-})
 # fmt: on
-_SUBSCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
-_SUBSCHEMA_MAPS = frozenset({"$defs", "definitions", "patternProperties", "dependentSchemas"})
 
 
 def canonical_json_schema(spec: str) -> str:
@@ -348,27 +342,8 @@ def canonical_json_schema(spec: str) -> str:
         schema = json.loads(spec)
         if not isinstance(schema, dict | bool):
             raise GrammarError("a JSON schema must be an object or a boolean")
-        return json.dumps(_canonical(schema), ensure_ascii=False, separators=(",", ":"))
+        return schema_json(schema)
     except json.JSONDecodeError as exc:
         raise GrammarError(f"JSON schema is not valid JSON: {exc}") from None
     except RecursionError:
         raise GrammarError("JSON schema nests too deeply") from None
-
-
-def _canonical(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for name in sorted(node):
-        value = node[name]
-        if name == "properties" and isinstance(value, dict):
-            out[name] = {prop: _canonical(sub) for prop, sub in value.items()}
-        elif name in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[name] = {prop: _canonical(value[prop]) for prop in sorted(value)}
-        elif name in _SUBSCHEMA_LISTS and isinstance(value, list):
-            out[name] = [_canonical(sub) for sub in value]
-        elif name in _SUBSCHEMA:
-            out[name] = _canonical(value)
-        else:
-            out[name] = value
-    return out

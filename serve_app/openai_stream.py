@@ -25,8 +25,9 @@ Merged = AsyncIterator[tuple[int, RequestOutput | None]]
 def observe_end(job: Job, choices: list[ChoiceState], usage: Usage) -> None:
     record_latency("e2e", time.monotonic() - job.started, job.endpoint)
     for c in choices:
-        # A slow consumer's abort is counted apart from a client's own cancel.
-        code = c.stop_reason if c.stop_reason == "slow_consumer" else ""
+        # A slow consumer's abort is counted apart from a client's own cancel, and a grammar's
+        # own end apart from other stops (and from invalid_grammar, an error).
+        code = c.stop_reason if c.stop_reason in ("slow_consumer", "grammar_end") else ""
         record_outcome(job.endpoint, c.finish_reason or "unknown", code)
     logger.info(
         "request finished: endpoint=%s outcomes=%s prompt_tokens=%d output_tokens=%d",

@@ -132,7 +132,7 @@ def test_a_disconnected_sync_client_recovers_the_result_by_idempotency_key(serve
     key = {"Idempotency-Key": f"draft-{uuid.uuid4()}"}
     body = reply_body(max_output_tokens=300)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{serve_url}/v1/generations", json=body, headers=key, timeout=0.5)
+        httpx.post(f"{serve_url}/v1/generations", json=body, headers=key, timeout=0.05)
     # The retry is the same generation (not a new one), waited for to its end.
     r = create(serve_url, body, key)
     assert r.status_code == 200 and r.headers["idempotent-replayed"] == "true"

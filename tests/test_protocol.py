@@ -331,8 +331,11 @@ def spec(kind: str = "chat", **changes: Any) -> GrammarSpec | None:
 
 
 SCHEMA_A = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+# The same schema with its keywords in another order.
+SCHEMA_A2 = {"properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "type": "object"}
+# Other property order: other generated text, so another grammar.
 SCHEMA_B = {"properties": {"b": {"type": "string"}, "a": {"type": "integer"}}, "type": "object"}
-CANONICAL = json.dumps(SCHEMA_A, sort_keys=True, separators=(",", ":"))
+CANONICAL = '{"properties":{"a":{"type":"integer"},"b":{"type":"string"}},"type":"object"}'
 
 
 def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
@@ -344,13 +347,16 @@ def test_no_constraint() -> None:
     assert spec(response_format={"type": "text"}) is None
 
 
-def test_json_schema_is_canonical_whatever_the_key_order_or_source() -> None:
+def test_json_schema_is_canonical_whatever_the_keyword_order_or_source() -> None:
     a = spec(response_format=json_schema_format(SCHEMA_A))
-    b = spec(response_format=json_schema_format(SCHEMA_B))
-    c = spec("completion", structured_outputs={"json": json.dumps(SCHEMA_B, indent=2)})
-    d = spec(structured_outputs={"json": SCHEMA_B}, response_format={"type": "text"})
+    b = spec(response_format=json_schema_format(SCHEMA_A2))
+    c = spec("completion", structured_outputs={"json": json.dumps(SCHEMA_A2, indent=2)})
+    d = spec(structured_outputs={"json": SCHEMA_A2}, response_format={"type": "text"})
     assert a == b == c == d == GrammarSpec("json_schema", CANONICAL)
     assert len({a, b, c, d}) == 1  # hashable: a compile-cache key
+    # The property order is the generated key order: never sorted away.
+    other = spec(response_format=json_schema_format(SCHEMA_B))
+    assert other is not None and other != a and other.spec.index('"b"') < other.spec.index('"a"')
 
 
 @pytest.mark.parametrize(

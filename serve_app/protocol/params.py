@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app import errors
+from serve_app.protocol.json_schema import schema_json
 
 if TYPE_CHECKING:
     from actors.sampling_params import SamplingParams
@@ -155,7 +156,8 @@ class StructuredOutputs(StrictModel):
 class GrammarSpec:
     """A canonical output constraint; equal specs compile to the same grammar (a cache key).
 
-    `spec` per kind: json_schema -> the schema as sorted, compact JSON; json_object -> "";
+    `spec` per kind: json_schema -> the schema as canonical compact JSON (keyword order
+    normalised, property order kept: it is the order of the generated keys); json_object -> "";
     regex / ebnf -> the text as given; choice -> a sorted, de-duplicated JSON list.
     """
 
@@ -291,7 +293,7 @@ class SamplingRequest(StrictModel):
         so = self.structured_outputs
         if so is not None:
             if so.json_ is not None:
-                return GrammarSpec("json_schema", canonical_json(so.json_))
+                return GrammarSpec("json_schema", schema_json(so.json_))
             if so.regex is not None:
                 return GrammarSpec("regex", so.regex)
             if so.grammar is not None:
@@ -304,7 +306,7 @@ class SamplingRequest(StrictModel):
         if rf.type == "json_object":
             return GrammarSpec("json_object", "")
         assert rf.json_schema is not None  # ResponseFormat's validator guarantees it
-        return GrammarSpec("json_schema", canonical_json(rf.json_schema.schema_))
+        return GrammarSpec("json_schema", schema_json(rf.json_schema.schema_))
 
     def grammar_param(self) -> str | None:
         """Where the grammar came from, for an `invalid_grammar` error's `param`."""
