@@ -78,7 +78,7 @@ def test_deadline_passing_in_the_queue_is_unmeetable(engine):
 
 
 def test_server_default_bounds_a_request_that_names_no_deadline(engine):
-    engine.deadline_config = DeadlineConfig(default_timeout_s=1.0, max_queue_s=None)
+    engine.deadline_config = DeadlineConfig(default_timeout_s=0.3, max_queue_s=None)
     engine.add_request("open", [5, 6, 7], SamplingParams(max_tokens=1000, ignore_eos=True))
     outs = _drain(engine)["open"]
     assert outs[-1].deltas[-1].finish_reason == "timeout"
@@ -88,7 +88,8 @@ def test_server_default_bounds_a_request_that_names_no_deadline(engine):
 def test_server_max_queue_time_vetoes_and_expires_waiting_requests(engine):
     for i in range(30):
         engine.add_request(f"bulk{i}", list(range(5, 900)), SamplingParams(max_tokens=2))
-    engine.deadline_config = DeadlineConfig(default_timeout_s=None, max_queue_s=0.05)
+    # 1 ms: less than one step, so the newcomer behind 30 prefills cannot be scheduled in it.
+    engine.deadline_config = DeadlineConfig(default_timeout_s=None, max_queue_s=0.001)
     # The measured cost puts a newcomer's wait past the queue bound: refused at once.
     with pytest.raises(RequestRejected) as info:
         engine.add_request("late", [5, 6, 7], SamplingParams(max_tokens=2))
