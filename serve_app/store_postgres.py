@@ -9,31 +9,16 @@ that has committed when the method returns (PostgreSQL's default synchronous com
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 
-from serve_app.store import (
-    CONV_COLUMNS,
-    GEN_COLUMNS,
-    UNFINISHED_STATUSES,
-    Clock,
-    ConversationRecord,
-    ConversationTurn,
-    GenerationRecord,
-    IdempotencyKey,
-    InsertOutcome,
-    InsertResult,
-    Store,
-    TurnAppend,
-    conversation_from_row,
-    generation_from_row,
-)
+from serve_app.store import Clock, IdempotencyKey
+from serve_app.store_sql import SQL, SQLStore
 
 # Times are Unix seconds: DOUBLE PRECISION (REAL is 4 bytes in PostgreSQL: too coarse).
 SCHEMA = [
@@ -61,9 +46,21 @@ CONNECT_TIMEOUT_S = 10
 Cursor = psycopg.Cursor[Any]
 
 
-class PostgresStore(Store):
+class _Cursor:
+    """A psycopg cursor taking the `?` placeholders of the shared SQL."""
+
+    def __init__(self, cur: Cursor) -> None:
+        self.cur = cur
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Cursor:
+        return self.cur.execute(sql.replace("?", "%s"), params)
+
+
+class PostgresStore(SQLStore):
     """One connection per store, shared by the caller's threads under a lock (as SQLiteStore);
     a broken connection is replaced on the next call."""
+
+    ROW_LOCK = " FOR UPDATE"
 
     def __init__(self, url: str, clock: Clock = time.time) -> None:
         super().__init__(clock)
@@ -87,227 +84,16 @@ class PostgresStore(Store):
             with self._conn.transaction(), self._conn.cursor() as cur:
                 yield cur
 
-    # ---------------------------------------------------------------- generations
-
-    def insert_generation(
-        self,
-        record: GenerationRecord,
-        idempotency: IdempotencyKey | None = None,
-        turn: ConversationTurn | None = None,
-    ) -> InsertResult:
-        now = self.clock()
+    @contextmanager
+    def _write(self) -> Iterator[_Cursor]:
         with self._tx() as cur:
-            if idempotency is not None:
-                claim = f"{record.tenant}\x1f{idempotency.operation}\x1f{idempotency.key}"
-                cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (claim,))
-                found = self._find_key(cur, record.tenant, idempotency, now)
-                if found is not None:
-                    return found
-            conversation = None
-            if turn is not None:
-                conversation = self._get_conversation(
-                    cur, record.tenant, turn.conversation_id, lock=True
-                )
-                if conversation is None:
-                    return InsertResult(InsertOutcome.CONVERSATION_NOT_FOUND)
-                if (
-                    conversation.revision != turn.expected_revision
-                    or conversation.pending_generation is not None
-                ):
-                    return InsertResult(InsertOutcome.STALE_REVISION, conversation=conversation)
-                cur.execute(
-                    "UPDATE conversations SET pending_generation = %s WHERE id = %s",
-                    (record.id, conversation.id),
-                )
-            cur.execute(
-                f"INSERT INTO generations ({GEN_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                (
-                    record.id,
-                    record.tenant,
-                    record.status,
-                    record.owner,
-                    json.dumps(record.data),
-                    record.created_at,
-                    record.updated_at,
-                    record.expires_at,
-                ),
-            )
-            if idempotency is not None:
-                self._record_key(cur, record, idempotency)
-        return InsertResult(InsertOutcome.CREATED, record, conversation)
+            yield _Cursor(cur)
 
-    @staticmethod
-    def _record_key(cur: Cursor, record: GenerationRecord, key: IdempotencyKey) -> None:
-        # An expired key row may still be there (not purged yet): it is replaced.
-        cur.execute(
-            "INSERT INTO idempotency_keys (tenant, operation, key, body_hash, generation_id,"
-            " expires_at) VALUES (%s, %s, %s, %s, %s, %s)"
-            " ON CONFLICT (tenant, operation, key) DO UPDATE SET"
-            " body_hash = EXCLUDED.body_hash, generation_id = EXCLUDED.generation_id,"
-            " expires_at = EXCLUDED.expires_at",
-            (record.tenant, key.operation, key.key, key.body_hash, record.id, key.expires_at),
-        )
+    _read = _write
 
-    def _find_key(
-        self, cur: Cursor, tenant: str, key: IdempotencyKey, now: float
-    ) -> InsertResult | None:
-        cur.execute(
-            "SELECT body_hash, generation_id FROM idempotency_keys WHERE tenant = %s AND"
-            " operation = %s AND key = %s AND expires_at > %s",
-            (tenant, key.operation, key.key, now),
-        )
-        row = cur.fetchone()
-        if row is None:
-            return None
-        existing = self._get_generation(cur, tenant, row[1], now)
-        if existing is None:
-            # The generation it named has expired: the key is free again.
-            return None
-        outcome = InsertOutcome.REPLAY if row[0] == key.body_hash else InsertOutcome.KEY_REUSED
-        return InsertResult(outcome, existing)
-
-    @staticmethod
-    def _get_generation(
-        cur: Cursor, tenant: str, generation_id: str, now: float
-    ) -> GenerationRecord | None:
-        cur.execute(
-            f"SELECT {GEN_COLUMNS} FROM generations WHERE id = %s AND tenant = %s"
-            " AND (expires_at IS NULL OR expires_at > %s)",
-            (generation_id, tenant, now),
-        )
-        row = cur.fetchone()
-        return None if row is None else generation_from_row(row)
-
-    def get_generation(self, tenant: str, generation_id: str) -> GenerationRecord | None:
-        with self._tx() as cur:
-            return self._get_generation(cur, tenant, generation_id, self.clock())
-
-    def update_generation(self, record: GenerationRecord, expected_status: Collection[str]) -> bool:
-        with self._tx() as cur:
-            return self._update(cur, record, expected_status)
-
-    @staticmethod
-    def _update(cur: Cursor, record: GenerationRecord, expected_status: Collection[str]) -> bool:
-        cur.execute(
-            "UPDATE generations SET status = %s, data = %s, updated_at = %s, expires_at = %s"
-            " WHERE id = %s AND tenant = %s AND status = ANY(%s)",
-            (
-                record.status,
-                json.dumps(record.data),
-                record.updated_at,
-                record.expires_at,
-                record.id,
-                record.tenant,
-                sorted(expected_status),
-            ),
-        )
-        return cur.rowcount == 1
-
-    def finish_generation(
-        self,
-        record: GenerationRecord,
-        expected_status: Collection[str],
-        append: TurnAppend | None = None,
-    ) -> bool:
-        with self._tx() as cur:
-            if not self._update(cur, record, expected_status):
-                return False
-            cur.execute(
-                "SELECT id, messages, revision FROM conversations"
-                " WHERE tenant = %s AND pending_generation = %s FOR UPDATE",
-                (record.tenant, record.id),
-            )
-            row = cur.fetchone()
-            if row is None:
-                return True
-            if append is None:
-                cur.execute(
-                    "UPDATE conversations SET pending_generation = NULL WHERE id = %s", (row[0],)
-                )
-                return True
-            messages = json.loads(row[1]) + append.messages
-            cur.execute(
-                "UPDATE conversations SET messages = %s, revision = %s,"
-                " pending_generation = NULL, updated_at = %s, expires_at = %s WHERE id = %s",
-                (json.dumps(messages), row[2] + 1, record.updated_at, append.expires_at, row[0]),
-            )
-            return True
-
-    def heartbeat(self, owner: str) -> None:
-        with self._tx() as cur:
-            cur.execute(
-                "INSERT INTO owners (owner, heartbeat_at) VALUES (%s, %s)"
-                " ON CONFLICT (owner) DO UPDATE SET heartbeat_at = EXCLUDED.heartbeat_at",
-                (owner, self.clock()),
-            )
-
-    def list_orphaned_generations(self, stale_after_s: float) -> list[GenerationRecord]:
-        cutoff = self.clock() - stale_after_s
-        with self._tx() as cur:
-            cur.execute(
-                f"SELECT {GEN_COLUMNS} FROM generations g WHERE status = ANY(%s)"
-                " AND NOT EXISTS (SELECT 1 FROM owners o WHERE o.owner = g.owner"
-                " AND o.heartbeat_at > %s)",
-                (list(UNFINISHED_STATUSES), cutoff),
-            )
-            rows = cur.fetchall()
-        return [generation_from_row(row) for row in rows]
-
-    # -------------------------------------------------------------- conversations
-
-    def create_conversation(self, record: ConversationRecord) -> None:
-        with self._tx() as cur:
-            cur.execute(
-                f"INSERT INTO conversations ({CONV_COLUMNS})"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                (
-                    record.id,
-                    record.tenant,
-                    record.revision,
-                    json.dumps(record.messages),
-                    record.pending_generation,
-                    record.created_at,
-                    record.updated_at,
-                    record.expires_at,
-                ),
-            )
-
-    def _get_conversation(
-        self, cur: Cursor, tenant: str, conversation_id: str, lock: bool = False
-    ) -> ConversationRecord | None:
-        cur.execute(
-            f"SELECT {CONV_COLUMNS} FROM conversations WHERE id = %s AND tenant = %s"
-            " AND expires_at > %s" + (" FOR UPDATE" if lock else ""),
-            (conversation_id, tenant, self.clock()),
-        )
-        row = cur.fetchone()
-        return None if row is None else conversation_from_row(row)
-
-    def get_conversation(self, tenant: str, conversation_id: str) -> ConversationRecord | None:
-        with self._tx() as cur:
-            return self._get_conversation(cur, tenant, conversation_id)
-
-    def delete_conversation(self, tenant: str, conversation_id: str) -> bool:
-        with self._tx() as cur:
-            cur.execute(
-                "DELETE FROM conversations WHERE id = %s AND tenant = %s AND expires_at > %s",
-                (conversation_id, tenant, self.clock()),
-            )
-            return cur.rowcount == 1
-
-    # ---------------------------------------------------------------------- upkeep
-
-    def purge_expired(self) -> int:
-        now = self.clock()
-        removed = 0
-        with self._tx() as cur:
-            for table in ("generations", "idempotency_keys", "conversations"):
-                cur.execute(
-                    f"DELETE FROM {table} WHERE expires_at IS NOT NULL AND expires_at <= %s",
-                    (now,),
-                )
-                removed += cur.rowcount
-        return removed
+    def _lock_claim(self, db: SQL, tenant: str, key: IdempotencyKey) -> None:
+        claim = f"{tenant}\x1f{key.operation}\x1f{key.key}"
+        db.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (claim,))
 
     def close(self) -> None:
         with self._lock:
