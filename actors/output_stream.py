@@ -43,11 +43,7 @@ class OutputStream:
         self.phase = Phase.QUEUED
         self._items: deque[RequestOutput] = deque()
         self._ready = asyncio.Event()
-        self.held_at: float | None = None
         self.hold_timer: asyncio.TimerHandle | None = None
-
-    def __len__(self) -> int:
-        return len(self._items)
 
     @property
     def is_open(self) -> bool:
