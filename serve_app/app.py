@@ -117,6 +117,7 @@ def build_app(config: ServeConfig) -> Application:
         cache_limit_bytes=config.grammar.cache_bytes,
         compile_timeout_s=config.grammar.compile_timeout_s,
         on_compile=record_grammar_compile,
+        compile_delay_s=config.grammar.compile_delay_s,
     )
     engine_options: dict[str, Any] = dict(
         name="engine",

@@ -59,6 +59,9 @@ class GrammarOptions(BaseModel):
     # reasoning span); needs token filtering, so the server refuses to start without it.
     strict_thinking: bool = False
     compile_timeout_s: float = Field(10.0, gt=0)
+    # Test/benchmark knob (fault injection): every compilation that misses the cache takes
+    # this many seconds longer, so grammar/prefill overlap can be measured. 0 in production.
+    compile_delay_s: float = Field(0.0, ge=0)
     cache_bytes: int = Field(64 * 1024**2, ge=0)
     max_threads: int = Field(4, ge=1)
     # Largest schema / regex / grammar text accepted, in bytes.

@@ -115,6 +115,7 @@ class GrammarService:
         cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES,
         compile_timeout_s: float = 10.0,
         on_compile: OnCompile | None = None,
+        compile_delay_s: float = 0.0,
     ):
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
@@ -122,8 +123,12 @@ class GrammarService:
             raise ValueError(f"cache_limit_bytes must be >= 0, got {cache_limit_bytes}")
         if not compile_timeout_s > 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
+        if compile_delay_s < 0:
+            raise ValueError(f"compile_delay_s must be >= 0, got {compile_delay_s}")
         path = Path(model_path)
         self.compile_timeout_s = compile_timeout_s
+        # Fault injection for tests and benchmarks: every cache miss takes this much longer.
+        self.compile_delay_s = compile_delay_s
         self.on_compile = on_compile
         self.tokenizer_hash = tokenizer_hash(path)
         self.vocab_size: int = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -238,6 +243,8 @@ class GrammarService:
         started = time.perf_counter()
         serialized: str | None = None
         try:
+            if self.compile_delay_s:
+                time.sleep(self.compile_delay_s)  # on the pool thread, as a slow compile would
             serialized = self._compile_serialized(kind, canonical)
             return serialized
         except (RuntimeError, ValueError) as exc:
