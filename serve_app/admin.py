@@ -4,6 +4,7 @@ public port.
 Engine replicas push their stats to a named registry actor a few times a second; the admin
 server reads the registry, so it sees every replica (a Serve handle call would reach only
 one). Draining is a flag in the same registry that the ingress consults before admitting.
+Replicas push the engine timelines of requests that ended the same way (`serve_app.timelines`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import ray
 
 from serve_app.auth import KeyRing, KeysFile, authorize_admin
+from serve_app.timelines import TimelineIndex
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +39,16 @@ class StatsRegistry:
     def __init__(self) -> None:
         self.replicas: dict[str, tuple[float, dict[str, Any]]] = {}
         self.draining = False
+        self.timelines = TimelineIndex()
 
     def report(self, replica_id: str, stats: dict[str, Any]) -> None:
         self.replicas[replica_id] = (time.monotonic(), stats)
+
+    def report_timelines(self, replica_id: str, entries: list[dict[str, Any]]) -> None:
+        self.timelines.add(replica_id, entries)
+
+    def find_request(self, request_id: str) -> list[dict[str, Any]]:
+        return self.timelines.lookup(request_id)
 
     def forget(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
@@ -83,11 +92,15 @@ def find_registry(model_id: str):
 
 
 class StatsReporter:
-    """Runs in an engine replica: pushes `stats_fn()` to the registry every `period_s`."""
+    """Runs in an engine replica: pushes `stats_fn()` to the registry every `period_s`, and
+    the entries `timelines_fn()` returns (those new since its last call) when there are any."""
 
-    def __init__(self, model_id: str, replica_id: str, stats_fn, period_s: float = 0.2):
+    def __init__(
+        self, model_id: str, replica_id: str, stats_fn, period_s: float = 0.2, timelines_fn=None
+    ):
         self.model_id, self.replica_id = model_id, replica_id
         self.stats_fn, self.period_s = stats_fn, period_s
+        self.timelines_fn = timelines_fn
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stats-reporter", daemon=True)
         self._thread.start()
@@ -101,6 +114,9 @@ class StatsReporter:
                     continue
             try:
                 registry.report.remote(self.replica_id, self.stats_fn())
+                entries = self.timelines_fn() if self.timelines_fn is not None else None
+                if entries:
+                    registry.report_timelines.remote(self.replica_id, entries)
             except Exception:  # noqa: BLE001 (the registry went away; look it up again)
                 registry = None
 
@@ -128,6 +144,19 @@ def build_admin_app(registry, api_key: str | None, keys: KeysFile | None = None)
         authorize(request)
         return JSONResponse(await registry.snapshot.remote())
 
+    async def request_timeline(request: Request) -> JSONResponse:
+        """The engine timelines of a recent request (by X-Request-Id or engine request id):
+        one entry per engine request (prompt, attempt), from every replica."""
+        authorize(request)
+        request_id = request.path_params["request_id"]
+        entries = await registry.find_request.remote(request_id)
+        if not entries:
+            raise errors.not_found(
+                "request_not_found",
+                f"No recent request {request_id!r} (engines keep the last few hundred).",
+            )
+        return JSONResponse({"request_id": request_id, "engine_requests": entries})
+
     async def drain(request: Request) -> JSONResponse:
         """Stop admitting new requests (in-flight ones finish); `{"draining": false}` lifts it."""
         authorize(request)
@@ -150,6 +179,7 @@ def build_admin_app(registry, api_key: str | None, keys: KeysFile | None = None)
     return Starlette(
         routes=[
             Route("/admin/v1/stats", stats, methods=["GET"]),
+            Route("/admin/v1/requests/{request_id:path}", request_timeline, methods=["GET"]),
             Route("/admin/v1/drain", drain, methods=["POST"]),
         ],
         exception_handlers={errors.APIError: on_api_error},

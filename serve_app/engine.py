@@ -18,6 +18,7 @@ from actors.platform import describe, resolve_dtype
 from serve_app.admin import StatsReporter
 from serve_app.config import ServeConfig
 from serve_app.metrics import record_engine_gauges, record_latency
+from serve_app.timelines import TimelineRing
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,10 @@ class EngineService:
             core, grammar_cache.get_constraint, e.output_queue_size, e.hold_timeout_s
         )
         self.replica_id = _replica_id()
-        self.reporter = StatsReporter(config.model_id, self.replica_id, self._report)
+        self.timelines = TimelineRing(self.replica_id)
+        self.reporter = StatsReporter(
+            config.model_id, self.replica_id, self._report, timelines_fn=self.timelines.take_new
+        )
         logger.info(
             "engine replica ready on %s (tp=%d, %d KV blocks)",
             describe(),
@@ -69,7 +73,7 @@ class EngineService:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         grammar = request.grammar[0] if request.grammar else None
-        async for out in self.engine.generate(
+        outputs = self.engine.generate(
             request.request_id,
             request.prompt_token_ids,
             request.params,
@@ -77,8 +81,13 @@ class EngineService:
             priority=request.priority,
             timeout_s=request.timeout_s,
             attempt=request.attempt,
-        ):
+        )
+        async for out in self.timelines.watch(request, outputs):
             yield out
+
+    def request_timelines(self, request_id: str) -> list[dict[str, object]]:
+        """This replica's recent engine timelines of a request (X-Request-Id or engine id)."""
+        return self.timelines.lookup(request_id)
 
     def stats(self) -> dict[str, object]:
         import ray

@@ -22,7 +22,8 @@ HTTP status (OpenAI's names where OpenAI has one); `code` names the exact cause.
 | 404    | not_found_error         | stop (it does not exist)      | model_not_found,             |
 |        |                         |                               | generation_not_found,        |
 |        |                         |                               | conversation_not_found,      |
-|        |                         |                               | profile_not_found            |
+|        |                         |                               | profile_not_found,           |
+|        |                         |                               | request_not_found (admin)    |
 | 409    | conflict_error          | stop retrying this id         | request_id_in_use,           |
 |        |                         |                               | idempotency_key_reused,      |
 |        |                         |                               | stale_revision               |
@@ -265,6 +266,7 @@ TAXONOMY: list[dict[str, Any]] = [
             "generation_not_found",
             "conversation_not_found",
             "profile_not_found",
+            "request_not_found",
         ],
     },
     {
