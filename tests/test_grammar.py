@@ -125,6 +125,20 @@ def test_byte_bound_evicts_least_recently_used(model_path, service):
         small.close()
 
 
+def test_injected_compile_delay_slows_misses_only(model_path):
+    """`grammar.compile_delay_s`, the fault-injection knob of the overlap tests."""
+    slow = GrammarService(model_path, compile_delay_s=0.3)
+    try:
+        miss = compile_spec(slow, "regex", "[x-z]{3}")
+        hit = compile_spec(slow, "regex", "[x-z]{3}")
+        assert not miss.cache_hit and miss.compile_seconds >= 0.3
+        assert hit.cache_hit and hit.compile_seconds < 0.3
+    finally:
+        slow.close()
+    with pytest.raises(ValueError, match="compile_delay_s"):
+        GrammarService(model_path, compile_delay_s=-1)
+
+
 # ------------------------------------------------------------------------------ errors
 
 XGRAMMAR_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\]|\.cc\b")
