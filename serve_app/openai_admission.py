@@ -114,6 +114,9 @@ class Admission:
             fingerprint=self.identity["fingerprint"],
             texts=self.texts,
             want_logprobs=params.logprobs is not None,
+            want_token_ids=bool(req.return_token_ids),
+            prompt_ids=prompts,
+            n=params.n,
         )
         timeout_s = client_timeout_s(request, req)
         engine_requests = [

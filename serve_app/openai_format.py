@@ -144,6 +144,17 @@ class Formatter:
     fingerprint: str
     texts: TokenTexts
     want_logprobs: bool
+    # `return_token_ids`: generated ids per choice and the prompts' ids (one per prompt; a
+    # choice's prompt is `prompt_ids[index // n]`).
+    want_token_ids: bool = False
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    n: int = 1
+
+    def _ids(self, token_ids: list[int]) -> list[int] | None:
+        return list(token_ids) if self.want_token_ids else None
+
+    def prompt_of(self, index: int) -> list[int] | None:
+        return list(self.prompt_ids[index // self.n]) if self.want_token_ids else None
 
     def body(self, choices: list[ChoiceState], usage: Usage, echo: list[str]) -> dict:
         if self.chat:
@@ -161,11 +172,13 @@ class Formatter:
                         ),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        token_ids=self._ids(c.token_ids),
                     )
                     for c in choices
                 ],
                 usage=usage,
                 system_fingerprint=self.fingerprint,
+                prompt_token_ids=self.prompt_of(0),
             ).to_dict()
         return CompletionResponse(
             id=self.response_id,
@@ -181,6 +194,8 @@ class Formatter:
                     ),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=self._ids(c.token_ids),
+                    prompt_token_ids=self.prompt_of(c.index),
                 )
                 for c in choices
             ],
@@ -190,7 +205,8 @@ class Formatter:
 
     def role_chunk(self, index: int) -> dict:
         choice = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-        return self._chunk([choice])
+        # The prompt's ids ride on the stream's first chunk.
+        return self._chunk([choice], prompt_token_ids=self.prompt_of(0) if index == 0 else None)
 
     def content_chunk(
         self,
@@ -199,13 +215,28 @@ class Formatter:
         token_ids: list[int],
         logprobs: list[TokenLogprobs] | None,
         offset: int,
+        *,
+        is_first: bool = False,
     ) -> dict:
+        """`is_first`: a completions choice's first chunk, which carries its prompt's ids."""
         if self.chat:
             lp = chat_logprobs(self.texts, token_ids, logprobs) if logprobs else None
-            choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=text), logprobs=lp)
+            choice = ChatChunkChoice(
+                index=index,
+                delta=DeltaMessage(content=text),
+                logprobs=lp,
+                token_ids=self._ids(token_ids),
+            )
             return self._chunk([choice])
         clp = completion_logprobs(self.texts, token_ids, logprobs, offset) if logprobs else None
-        return self._chunk([CompletionChoice(index=index, text=text, logprobs=clp)])
+        item = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=clp,
+            token_ids=self._ids(token_ids),
+            prompt_token_ids=self.prompt_of(index) if is_first else None,
+        )
+        return self._chunk([item])
 
     def event_chunks(
         self,
@@ -214,13 +245,19 @@ class Formatter:
         token_ids: list[int],
         logprobs: list[TokenLogprobs] | None,
     ) -> list[dict]:
-        """Chat: one chunk per event; the engine delta's logprobs ride on the first (or on a
-        chunk of their own when the parsers held all of its text back)."""
+        """Chat: one chunk per event; the engine delta's logprobs and token ids ride on the
+        first (or on a chunk of their own when the parsers held all of its text back)."""
         lp = chat_logprobs(self.texts, token_ids, logprobs) if logprobs else None
-        deltas = [event_delta(e) for e in events] or ([DeltaMessage()] if lp else [])
+        ids = self._ids(token_ids) if token_ids else None
+        deltas = [event_delta(e) for e in events] or ([DeltaMessage()] if lp or ids else [])
         chunks = []
         for i, delta in enumerate(deltas):
-            choice = ChatChunkChoice(index=index, delta=delta, logprobs=lp if i == 0 else None)
+            choice = ChatChunkChoice(
+                index=index,
+                delta=delta,
+                logprobs=lp if i == 0 else None,
+                token_ids=ids if i == 0 else None,
+            )
             chunks.append(self._chunk([choice]))
         return chunks
 
@@ -244,12 +281,11 @@ class Formatter:
     def usage_chunk(self, usage: Usage) -> dict:
         return self._chunk([], usage)
 
-    def _chunk(self, choices: list, usage: Usage | None = None) -> dict:
-        cls = ChatCompletionChunk if self.chat else CompletionChunk
-        return cls(
-            id=self.response_id,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-            system_fingerprint=self.fingerprint,
-        ).to_dict()
+    def _chunk(
+        self, choices: list, usage: Usage | None = None, prompt_token_ids: list[int] | None = None
+    ) -> dict:
+        common = {"id": self.response_id, "model": self.model, "choices": choices}
+        common.update(usage=usage, system_fingerprint=self.fingerprint)
+        if self.chat:
+            return ChatCompletionChunk(**common, prompt_token_ids=prompt_token_ids).to_dict()
+        return CompletionChunk(**common).to_dict()

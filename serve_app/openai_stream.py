@@ -57,7 +57,7 @@ def delta_chunks(
     logprobs = delta.logprobs if fmt.want_logprobs else None
     if fmt.chat:
         return fmt.event_chunks(choice.index, events, delta.token_ids, logprobs)
-    if delta.text or logprobs:
+    if delta.text or logprobs or (fmt.want_token_ids and delta.token_ids):
         return [fmt.content_chunk(choice.index, delta.text, delta.token_ids, logprobs, offset)]
     return []
 
@@ -76,8 +76,9 @@ async def stream_sse(merged: Merged, job: Job) -> AsyncIterator[bytes]:
         for c in choices:
             if fmt.chat:
                 yield state.frame_chunk(fmt.role_chunk(c.index))
-            elif echo[c.index]:
-                yield state.frame_chunk(fmt.content_chunk(c.index, echo[c.index], [], None, 0))
+            elif echo[c.index] or fmt.want_token_ids:
+                first = fmt.content_chunk(c.index, echo[c.index], [], None, 0, is_first=True)
+                yield state.frame_chunk(first)
         async for i, out in merged:
             if out is None:
                 for c in choices:

@@ -144,16 +144,20 @@ async def _replay_chunks(result: dict, include_usage: bool) -> AsyncIterator[byt
     base["object"] = "chat.completion.chunk" if chat else "text_completion"
     for choice in result.get("choices", []):
         i = choice["index"]
+        # `return_token_ids`: the ids ride on the choice's first content chunk, as live.
+        ids = {k: choice[k] for k in ("token_ids", "prompt_token_ids") if k in choice}
         if chat:
             message = choice.get("message") or {}
-            yield sse(
-                {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]}
-            )
-            for delta in _message_deltas(message):
-                yield sse({**base, "choices": [{"index": i, "delta": delta}]})
+            prompt = {k: result[k] for k in ("prompt_token_ids",) if k in result and i == 0}
+            role = {"index": i, "delta": {"role": "assistant", "content": ""}}
+            yield sse({**base, "choices": [role], **prompt})
+            for j, delta in enumerate(_message_deltas(message)):
+                yield sse(
+                    {**base, "choices": [{"index": i, "delta": delta, **(ids if j == 0 else {})}]}
+                )
             end = {"index": i, "delta": {}}
         else:
-            yield sse({**base, "choices": [{"index": i, "text": choice.get("text", "")}]})
+            yield sse({**base, "choices": [{"index": i, "text": choice.get("text", ""), **ids}]})
             end = {"index": i, "text": ""}
         end.update(finish_reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"))
         yield sse({**base, "choices": [end]})

@@ -275,3 +275,36 @@ def test_more_parameters_do_what_they_promise(client, model_id, model_dirs):
         extra_body={"min_tokens": 20},
     )
     assert r.usage.completion_tokens >= 20
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_return_token_ids_gives_the_ids_streamed_or_not(serve_url, model_id, model_dirs, path):
+    """The `return_token_ids` extension (as vLLM): each choice's generated ids and the prompt's
+    ids; a stream's per-chunk fragments join to the same ids. Without it, neither field."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dirs("llama")))
+    chat = path.endswith("chat/completions")
+    body = {"model": model_id, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "n": 2}
+    body |= {"messages": CHAT} if chat else {"prompt": "The cat sat on"}
+    plain = httpx.post(f"{serve_url}{path}", json=body, timeout=60).json()
+    assert "prompt_token_ids" not in plain
+    assert not {"token_ids", "prompt_token_ids"} & set(plain["choices"][0])
+    asked = {**body, "return_token_ids": True}
+    whole = httpx.post(f"{serve_url}{path}", json=asked, timeout=60).json()
+    events = _sse_events(serve_url, path, {**asked, "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = [c for e in events[:-1] for c in e["choices"]]
+    num_prompt = whole["usage"]["prompt_tokens"]
+    for choice in whole["choices"]:
+        ids = choice["token_ids"]
+        text = choice["message"]["content"] if chat else choice["text"]
+        assert len(ids) == 12 and tokenizer.decode(ids, skip_special_tokens=True) == text
+        own = [c for c in chunks if c["index"] == choice["index"]]
+        assert [t for c in own for t in c.get("token_ids", [])] == ids
+        if not chat:  # each choice names its prompt, on its first chunk when streamed
+            assert len(choice["prompt_token_ids"]) == num_prompt
+            assert own[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    if chat:  # one prompt for all choices, on the stream's first chunk
+        assert len(whole["prompt_token_ids"]) == num_prompt
+        assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]

@@ -52,6 +52,7 @@ def test_streamed_request_replays_as_a_stream(serve_url, model_id):
         "max_tokens": 6,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,
     }
 
     def read() -> tuple[str, list]:
@@ -68,9 +69,17 @@ def test_streamed_request_replays_as_a_stream(serve_url, model_id):
         )
         return text, events
 
+    def token_ids(events: list) -> tuple[list, list]:
+        chunks = [json.loads(e) for e in events[:-1]]
+        ids = [t for chunk in chunks for c in chunk["choices"] for t in c.get("token_ids", [])]
+        return chunks[0]["prompt_token_ids"], ids
+
     text, events = read()
     replay_text, replay_events = read()
     assert replay_text == text and replay_events[-1] == "[DONE]"
+    # The replay carries the recorded ids as the live stream did (`return_token_ids`).
+    prompt_ids, ids = token_ids(events)
+    assert token_ids(replay_events) == (prompt_ids, ids) and len(ids) == 6 and prompt_ids
     usage = json.loads(replay_events[-2])
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
 

@@ -195,6 +195,9 @@ class SamplingRequest(StrictModel):
     structured_outputs: StructuredOutputs | None = None
     # Client deadline in seconds, from arrival.
     timeout: float | None = Field(None, gt=0.0)
+    # Extension (as vLLM names it): each choice carries its generated `token_ids` (a stream
+    # chunk: its own), and the response the prompt's `prompt_token_ids`.
+    return_token_ids: bool | None = None
 
     @field_validator("stop")
     @classmethod

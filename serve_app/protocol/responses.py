@@ -50,6 +50,20 @@ class WireModel(BaseModel):
         return self.model_dump(mode="json", by_alias=True)
 
 
+# Extension fields (vLLM's `return_token_ids`) that appear only when the request asked.
+_TOKEN_ID_FIELDS = ("token_ids", "prompt_token_ids")
+
+
+class WithTokenIds(WireModel):
+    @model_serializer(mode="wrap")
+    def _token_ids_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in _TOKEN_ID_FIELDS:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
 # -------------------------------------------------------------------------- usage
 
 
@@ -166,15 +180,16 @@ class ChatResponseMessage(WireModel):
         return data
 
 
-class ChatChoice(WireModel):
+class ChatChoice(WithTokenIds):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # the generated ids, when asked
 
 
-class ChatCompletionResponse(WireModel):
+class ChatCompletionResponse(WithTokenIds):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now)
@@ -183,6 +198,7 @@ class ChatCompletionResponse(WireModel):
     usage: Usage
     # The served artifact's fingerprint (weights, tokenizer, template, grammar backend).
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # the templated prompt, when asked
 
 
 class DeltaMessage(OnlyGiven):
@@ -193,15 +209,16 @@ class DeltaMessage(OnlyGiven):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatChunkChoice(WireModel):
+class ChatChunkChoice(WithTokenIds):
     index: int
     delta: DeltaMessage = Field(default_factory=DeltaMessage)
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # this chunk's generated ids, when asked
 
 
-class ChatCompletionChunk(WireModel):
+class ChatCompletionChunk(WithTokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now)
@@ -210,6 +227,7 @@ class ChatCompletionChunk(WireModel):
     # Only the final usage chunk (with `choices: []`) sets it.
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # on the first chunk, when asked
 
 
 # ------------------------------------------------------------------ completions
@@ -247,12 +265,16 @@ class CompletionLogprobs(WireModel):
         )
 
 
-class CompletionChoice(WireModel):
+class CompletionChoice(WithTokenIds):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # When asked: the generated ids (a stream chunk: its own), and the choice's prompt ids
+    # (a stream: on the choice's first chunk).
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(WireModel):
