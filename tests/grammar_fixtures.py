@@ -37,3 +37,14 @@ def accepts(
     """Whether the grammar admits exactly `text` as a complete output."""
     matcher = cache.get_constraint(payload).matcher
     return matcher.accept_string(text) and matcher.is_completed()
+
+
+def accepts_tokens(
+    cache: CompiledGrammarCache, payload: CompiledGrammarPayload, token_ids: list[int]
+) -> bool:
+    """Whether a fresh matcher accepts `token_ids` one at a time and ends where the grammar
+    does: terminated (its stop token accepted) or with nothing left but the end."""
+    matcher = cache.get_constraint(payload).matcher
+    if not all(matcher.accept_token(t) for t in token_ids):
+        return False
+    return matcher.is_terminated() or matcher.is_completed()

@@ -1,7 +1,8 @@
 """The outcome vocabulary on the OpenAI endpoints, one case per row of ARCHITECTURE.md's
 table that a client can observe: a matched stop, the grammar's own end (constructed on
 purpose), max tokens and a deadline. Each of `n` constrained samples has its own matcher:
-every output replays through a fresh xgrammar matcher."""
+every output's token ids (`return_token_ids`) replay through a fresh xgrammar matcher, token
+by token. The other families: tests/test_outcomes_generations.py, tests/test_outcomes_batch.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 import httpx
 import jsonschema
 import pytest
-from grammar_fixtures import accepts, compile_spec
+from grammar_fixtures import accepts_tokens, compile_spec
+from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.serve
 
@@ -52,7 +54,7 @@ def test_each_outcome_row_on_the_openai_endpoints(serve_url, model_id, cause):
 
 
 def test_each_sample_has_its_own_matcher_and_replays_through_a_fresh_one(
-    serve_url, model_id, service, engine_cache
+    serve_url, model_id, model_path, service, engine_cache
 ):
     schema = {
         "type": "object",
@@ -61,8 +63,11 @@ def test_each_sample_has_its_own_matcher_and_replays_through_a_fresh_one(
         "additionalProperties": False,
     }
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
-    body = completion(serve_url, model_id, n=4, max_tokens=60, response_format=fmt)
+    body = completion(
+        serve_url, model_id, n=4, max_tokens=60, response_format=fmt, return_token_ids=True
+    )
     payload = compile_spec(service, "json_schema", json.dumps(schema))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     texts = [c["text"] for c in body["choices"]]
     assert len(texts) == 4
     for c in body["choices"]:
@@ -70,7 +75,10 @@ def test_each_sample_has_its_own_matcher_and_replays_through_a_fresh_one(
         value = json.loads(c["text"])
         jsonschema.validate(value, schema)
         assert list(value) == ["w", "t"]  # the schema's property order, not sorted keys
-        assert accepts(engine_cache, payload, c["text"]), c["text"]
+        # The ids are the text's (the end token, kept in the ids, decodes to nothing)...
+        assert tokenizer.decode(c["token_ids"], skip_special_tokens=True) == c["text"]
+        # ...and a fresh matcher takes every one of them in turn, then is at its end.
+        assert accepts_tokens(engine_cache, payload, c["token_ids"]), c["token_ids"]
     # Independent samples, not one matcher's path repeated four times.
     assert len(set(texts)) > 1, texts
 
