@@ -44,6 +44,9 @@ class EngineOptions(BaseModel):
     # scheduled, KV kept); held longer than `hold_timeout_s` it ends as `slow_consumer`.
     output_queue_size: int = Field(64, ge=2)
     hold_timeout_s: float = Field(30.0, gt=0)
+    # Fault injection for tests and benchmarks only: every engine step takes this much
+    # longer (a slow model without a slow machine). Keep 0 in production.
+    step_delay_s: float = Field(0.0, ge=0)
     # Server-side deadlines: the total time of a request that names none, and the longest
     # wait for a first token (past it: 503 deadline_unmeetable). None: unbounded.
     default_timeout_s: float | None = Field(600.0, gt=0)

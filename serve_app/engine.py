@@ -57,7 +57,11 @@ class EngineService:
         grammar_cache = CompiledGrammarCache(lambda: load_tokenizer_info(config.model))
         core.on_queue_time = lambda seconds: record_latency("queue", seconds, "engine")
         self.engine = AsyncEngine(
-            core, grammar_cache.get_constraint, e.output_queue_size, e.hold_timeout_s
+            core,
+            grammar_cache.get_constraint,
+            e.output_queue_size,
+            e.hold_timeout_s,
+            step_delay_s=e.step_delay_s,
         )
         self.replica_id = _replica_id()
         self.timelines = TimelineRing(self.replica_id)

@@ -1,0 +1,40 @@
+"""A second Serve app next to the session's one: same Ray, same HTTP proxy, its own name and
+route prefix (one proxy port per Ray session), optionally its own admin port (without keys)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def deploy(config, name: str, url: str, prefix: str) -> None:
+    """Run `config`'s graph as app `name` under `prefix` and wait until `url` is healthy."""
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.server import wait_healthy
+
+    serve.run(build_app(config), name=name, route_prefix=prefix, blocking=False)
+    wait_healthy(url, timeout_s=180)
+
+
+@contextmanager
+def side_app(
+    config, name: str, prefix: str, serve_url: str, ray_session, *, admin: bool = False
+) -> Iterator[tuple[str, str | None]]:
+    """The app's public URL and (with `admin`) its admin URL; deleted on the way out."""
+    from ray import serve
+
+    from serve_app.admin import start_admin
+
+    actor = (
+        start_admin(config.model_id, config.admin_host, config.admin_port, None) if admin else None
+    )
+    url = f"{serve_url}{prefix}"
+    try:
+        deploy(config, name, url, prefix)
+        yield url, (f"http://127.0.0.1:{config.admin_port}" if admin else None)
+    finally:
+        if actor is not None:
+            ray_session.kill(actor)
+        serve.delete(name)
