@@ -150,7 +150,7 @@ class GenerationAdmission:
             grammar=grammar,
             output_format=output_format,
             schema=schema,
-            deadline=now + self.options.deadline_s,
+            deadline=now + (profile.deadline_s or self.options.deadline_s),
         )
 
     def _artifact(self) -> dict[str, Any]:

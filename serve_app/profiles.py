@@ -40,6 +40,9 @@ class Profile(BaseModel):
     input_budget_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # Server deadline of this profile's generations (a quick task may need an answer in
+    # seconds); None: generations.deadline_s.
+    deadline_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> Profile:
@@ -167,6 +170,7 @@ def generations_info(options: GenerationOptions, store_url: str | None) -> dict[
                 "default_max_output_tokens": p.default_max_output_tokens,
                 "max_output_tokens": p.max_output_tokens,
                 "input_budget_tokens": p.input_budget_tokens,
+                "deadline_s": p.deadline_s or options.deadline_s,
             }
             for p in options.profiles
         ],

@@ -141,8 +141,9 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "openai": "a request is cancelled when its client disconnects",
             "generations": (
                 "never cancelled by a disconnect: a generation runs to its end or its deadline "
-                "(generations.deadline_s) and stays retrievable; a stalled stream reader is "
-                "detached; only POST /v1/generations/{id}/cancel cancels"
+                "(generations.deadline_s, or its profile's deadline_s) and stays retrievable; "
+                "a stalled stream reader is detached; only POST /v1/generations/{id}/cancel "
+                "cancels"
             ),
         },
         "generations": generations_info(config.generations, config.store),
