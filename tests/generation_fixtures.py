@@ -21,6 +21,9 @@ SUPPORT_DRAFT_V1 = {
     "additionalProperties": False,
 }
 
+# The deadline of the support_reply_quick profile: well under the ~1 s its 900 tokens take.
+QUICK_DEADLINE_S = 0.4
+
 # An owner silent this long has its generations failed; short so the sweep test is quick.
 ORPHAN_AFTER_S = 4.0
 
@@ -43,6 +46,15 @@ def generation_options(data_dir: Path) -> GenerationOptions:
                 default_max_output_tokens=16,
                 max_output_tokens=400,
                 input_budget_tokens=300,
+            ),
+            # A deadline far shorter than its output allowance takes (the outcome tests'
+            # "deadline reached while running").
+            Profile(
+                name="support_reply_quick",
+                instructions="You draft short, polite replies to customer support tickets.",
+                default_max_output_tokens=900,
+                max_output_tokens=900,
+                deadline_s=QUICK_DEADLINE_S,
             ),
             Profile(
                 name="support_draft",

@@ -10,7 +10,7 @@ import uuid
 import httpx
 import jsonschema
 import pytest
-from generation_fixtures import ORPHAN_AFTER_S, SESSION, SUPPORT_DRAFT_V1, poll
+from generation_fixtures import ORPHAN_AFTER_S, QUICK_DEADLINE_S, SESSION, SUPPORT_DRAFT_V1, poll
 
 from serve_app.store import GenerationRecord
 from serve_app.store_sqlite import SQLiteStore
@@ -325,5 +325,8 @@ def test_server_info_states_the_generation_policies(serve_url):
     assert gens["deadline_s"] > 0 and gens["retention_s"] == 24 * 3600
     names = {p["name"]: p for p in gens["profiles"]}
     assert names["support_draft"]["output_formats"] == ["support_draft_v1", "text"]
+    # Each profile's deadline: its own, or the server's.
+    assert names["support_reply_quick"]["deadline_s"] == QUICK_DEADLINE_S
+    assert names["support_reply_v3"]["deadline_s"] == gens["deadline_s"]
     assert gens["output_formats"]["support_draft_v1"] == SUPPORT_DRAFT_V1
     assert "instructions" not in json.dumps(gens)  # the profile's prompt stays private
