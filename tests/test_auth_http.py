@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import side_apps
 import yaml
 from conftest import free_port
 from postgres_fixtures import create_database, drop_database
@@ -57,13 +58,7 @@ class Keyed:
 
 
 def deploy(config: ServeConfig, url: str) -> None:
-    from ray import serve
-
-    from serve_app.app import build_app
-    from serve_app.server import wait_healthy
-
-    serve.run(build_app(config), name=APP, route_prefix=PREFIX, blocking=False)
-    wait_healthy(url, timeout_s=180)
+    side_apps.deploy(config, APP, url, PREFIX)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import side_apps
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -51,13 +52,7 @@ DEPLOYED: dict = {}
 
 
 def deploy(config, url: str) -> None:
-    from ray import serve
-
-    from serve_app.app import build_app
-    from serve_app.server import wait_healthy
-
-    serve.run(build_app(config), name=APP, route_prefix=PREFIX, blocking=False)
-    wait_healthy(url, timeout_s=180)
+    side_apps.deploy(config, APP, url, PREFIX)
 
 
 def engine_replica(ray) -> object:

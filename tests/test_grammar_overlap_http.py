@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from conftest import free_port
+from side_apps import side_app
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -34,13 +35,8 @@ class Overlap:
 
 @pytest.fixture(scope="module")
 def overlap(serve_url, ray_session, model_dirs, tmp_path_factory) -> Overlap:
-    from ray import serve
-
-    from serve_app.admin import start_admin
-    from serve_app.app import build_app
     from serve_app.config import ServeConfig
     from serve_app.profiles import GenerationOptions
-    from serve_app.server import wait_healthy
 
     config = ServeConfig(
         model=str(model_dirs("llama", "bench")),
@@ -51,15 +47,8 @@ def overlap(serve_url, ray_session, model_dirs, tmp_path_factory) -> Overlap:
         grammar={"compile_delay_s": COMPILE_DELAY_S},
         generations=GenerationOptions(data_dir=str(tmp_path_factory.mktemp("overlap-data"))),
     )
-    admin = start_admin(config.model_id, config.admin_host, config.admin_port, None)
-    url = f"{serve_url}{PREFIX}"
-    try:
-        serve.run(build_app(config), name=APP, route_prefix=PREFIX, blocking=False)
-        wait_healthy(url, timeout_s=180)
-        yield Overlap(url, f"http://127.0.0.1:{config.admin_port}")
-    finally:
-        ray_session.kill(admin)
-        serve.delete(APP)
+    with side_app(config, APP, PREFIX, serve_url, ray_session, admin=True) as (url, admin_url):
+        yield Overlap(url, admin_url)
 
 
 def prompt(seed: int) -> list[int]:
