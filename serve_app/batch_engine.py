@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from actors.deadlines import RequestRejected
 from actors.executor import ExecutorError
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
 from actors.llm import LLM
@@ -24,6 +25,7 @@ from serve_app.batch_rows import (
     check_prompt,
     grammar_spec,
     prompt_token_ids,
+    row_timeout,
     sampling_params,
 )
 from serve_app.grammar import GrammarError, GrammarService
@@ -93,10 +95,16 @@ class BatchEngine:
             try:
                 ids, params, constraint = self._prepare(row)
                 self.llm.engine.add_request(
-                    request_id, ids, params, constraints=[constraint] if constraint else None
+                    request_id,
+                    ids,
+                    params,
+                    constraints=[constraint] if constraint else None,
+                    timeout_s=row_timeout(row),
                 )
             except RowError as exc:
                 results[i] = self._failed(row, exc.code, exc.message)
+            except RequestRejected as exc:  # a deadline the engine says cannot be met
+                results[i] = self._failed(row, exc.code, str(exc))
             except ExecutorError as exc:
                 results[i] = self._failed(row, "engine_error", str(exc))
             except ValueError as exc:  # the engine's own checks, e.g. a KV cache too small
@@ -147,7 +155,11 @@ class BatchEngine:
                 row = rows[state.index]
                 if out.error is not None:
                     message = f"{out.error_code or 'error'}: {out.error}"
-                    results[state.index] = self._failed(row, "engine_error", message, state)
+                    # A deadline that passed before the first token is the row's, not the
+                    # engine's fault: not transient.
+                    late = out.error_code == "deadline_unmeetable"
+                    code = "deadline_unmeetable" if late else "engine_error"
+                    results[state.index] = self._failed(row, code, message, state)
                     del live[out.request_id]
                     continue
                 finish_reason = None
@@ -169,6 +181,11 @@ class BatchEngine:
                 **self.identity}  # fmt: skip
 
     def _finished(self, row: dict[str, Any], state: _Live, reason: str | None) -> dict[str, Any]:
+        if reason == "timeout":  # the row's deadline: failed, with the tokens it took
+            message = f"the row's timeout passed after {len(state.token_ids)} output tokens"
+            out = self._failed(row, "timeout", message, state)
+            out.update(finish_reason="timeout", completion_tokens=len(state.token_ids))
+            return out
         status = {"stop": "completed", "length": "incomplete"}.get(reason or "", "failed")
         out = self._base(row, status)
         out.update(
@@ -178,7 +195,7 @@ class BatchEngine:
             prompt_tokens=state.num_prompt_tokens,
             completion_tokens=len(state.token_ids),
         )
-        if status == "failed":  # batch rows carry no deadline and are never aborted
+        if status == "failed":  # not expected: batch rows are never aborted
             out.update(error_code="engine_error", error_message=f"generation ended: {reason}")
         return out
 

@@ -27,7 +27,7 @@ OUTPUT_SCHEMA = pa.schema([
     ("status", pa.string()),            # completed | incomplete | failed
     ("text", pa.string()),              # null on failed rows
     ("token_ids", pa.list_(pa.int32())),
-    ("finish_reason", pa.string()),     # stop | length; error when the engine failed
+    ("finish_reason", pa.string()),     # stop | length | timeout; error: the engine failed
     ("prompt_tokens", pa.int32()),      # null when the prompt could not be tokenized
     ("completion_tokens", pa.int32()),
     ("error_code", pa.string()),

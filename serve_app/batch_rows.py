@@ -165,6 +165,17 @@ def sampling_params(
         raise RowError("invalid_request", str(exc)) from None
 
 
+def row_timeout(row: dict[str, Any]) -> float | None:
+    """The `timeout` column: the row's deadline in seconds from when the engine takes it
+    (as the HTTP API's `timeout`); reached while running, the row fails with `timeout`."""
+    value = _value(row, "timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise RowError("invalid_request", "timeout: must be a number of seconds > 0")
+    return float(value)
+
+
 def grammar_spec(raw: Any) -> GrammarSpec | None:
     """The `response_format` column: JSON text in one of two shapes.
 
