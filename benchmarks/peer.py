@@ -83,10 +83,12 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def start_ours(path: str, threads: int, log_dir: str, env: dict) -> ServerProcess:
+def start_ours(
+    path: str, threads: int, log_dir: str, env: dict, dtype: str = "float32"
+) -> ServerProcess:
     config = Path(log_dir) / "ours.yaml"
     # A generous placement timeout: a busy machine can be slow to start the replica's worker.
-    engine = {"replica_cpus": threads, "placement_timeout_s": 600}
+    engine = {"replica_cpus": threads, "placement_timeout_s": 600, "dtype": dtype}
     config.write_text(json.dumps({"model": path, "engine": engine}))
     port = free_port()
     argv = [venv_tool("serve-app"), "serve", "--config", str(config), "--port", str(port)]
@@ -94,9 +96,10 @@ def start_ours(path: str, threads: int, log_dir: str, env: dict) -> ServerProces
     return ServerProcess("ours", argv, port, log_dir, env)
 
 
-def start_theirs(path: str, log_dir: str, env: dict) -> ServerProcess:
+def start_theirs(path: str, log_dir: str, env: dict, dtype: str = "float32") -> ServerProcess:
     port = free_port()
     argv = [venv_tool("transformers"), "serve", path, "--continuous-batching", "--device", "cpu"]
+    argv += ["--dtype", dtype]
     argv += ["--host", "127.0.0.1", "--port", str(port)]
     return ServerProcess("theirs", argv, port, log_dir, env)
 
@@ -226,6 +229,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch threads for each server")
     parser.add_argument("--quick", action="store_true", help="tiny checkpoint, few requests")
+    parser.add_argument(
+        "--dtype", default="float32", help="weights dtype for both servers (float32, bfloat16)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -239,11 +245,11 @@ def main() -> None:
     requests = text_prompts(path, max(per_level(c) for c in levels + [4]))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env.pop("RAY_ADDRESS", None)  # ours starts its own local Ray
-    result: dict = {"checkpoint": f"llama-{preset}", "threads": args.threads}
+    result: dict = {"checkpoint": f"llama-{preset}", "threads": args.threads, "dtype": args.dtype}
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as log_dir:
         for side, start in (
-            ("ours", lambda: start_ours(path, args.threads, log_dir, env)),
-            ("theirs", lambda: start_theirs(path, log_dir, env)),
+            ("ours", lambda: start_ours(path, args.threads, log_dir, env, args.dtype)),
+            ("theirs", lambda: start_theirs(path, log_dir, env, args.dtype)),
         ):
             server = start()
             try:
