@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/serving.py --out benchmarks/results/serving.json
 	$(PY) benchmarks/serving.py --replicas 1,2 --out benchmarks/results/replicas.json
 	$(PY) benchmarks/peer.py --out benchmarks/results/peer.json
+	$(PY) benchmarks/peer.py --dtype bfloat16 --out benchmarks/results/peer_bf16.json
 	$(PY) benchmarks/batch.py --out benchmarks/results/batch.json
 	$(PY) benchmarks/lifecycle.py --out benchmarks/results/lifecycle.json
 
