@@ -18,6 +18,7 @@ from actors.deadlines import RequestRejected
 from actors.executor import ExecutorError
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
 from actors.llm import LLM
+from actors.torch_thread import TorchThread
 from serve_app.batch_io import OUTPUT_SCHEMA
 from serve_app.batch_rows import (
     BatchDefaults,
@@ -66,7 +67,9 @@ class BatchEngine:
         self.tensor_parallel_size = tensor_parallel_size
         self.defaults = defaults or BatchDefaults()
         self.engine_options = dict(engine_options or {})
-        self.llm = self._build_llm()
+        # Loading and stepping on one thread (see actors/torch_thread.py).
+        self._torch = TorchThread("batch-engine")
+        self.llm = self._torch.run(self._build_llm)
         hashes = artifact_identity(model, self.llm.tokenizer.chat_template)
         self.identity = {
             "model": model_name or Path(model).resolve().name,
@@ -82,6 +85,9 @@ class BatchEngine:
 
     # ------------------------------------------------------------------------ batch
     def __call__(self, batch: pa.Table) -> pa.Table:
+        return self._torch.run(self._call, batch)
+
+    def _call(self, batch: pa.Table) -> pa.Table:
         if self.llm.engine.dead is not None:
             # A lost TP worker leaves the engine refusing work: start a fresh one.
             logger.warning("engine is down (%s); starting a new one", self.llm.engine.dead)
@@ -220,3 +226,5 @@ class BatchEngine:
             llm.shutdown()
         if getattr(self, "_grammar", None) is not None:
             self._grammar.close()
+        if getattr(self, "_torch", None) is not None:
+            self._torch.shutdown()

@@ -40,24 +40,29 @@ class EngineService:
         torch.set_num_threads(max(1, int(e.replica_cpus)))
         self.model_config = build_model_config(config)
         tokenizer = AutoTokenizer.from_pretrained(config.model)
-        core = EngineCore(
-            self.model_config,
-            tokenizer.backend_tokenizer,
-            CacheConfig(
-                block_size=e.block_size,
-                memory_budget_bytes=e.kv_cache_bytes,
-                enable_prefix_caching=e.enable_prefix_caching,
-            ),
-            ParallelConfig(e.tensor_parallel_size, e.placement_strategy, e.placement_timeout_s),
-            SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens),
-            seed=e.seed,
-            deadline_config=DeadlineConfig(e.default_timeout_s, e.max_queue_s),
-        )
+
+        def build_core() -> EngineCore:
+            core = EngineCore(
+                self.model_config,
+                tokenizer.backend_tokenizer,
+                CacheConfig(
+                    block_size=e.block_size,
+                    memory_budget_bytes=e.kv_cache_bytes,
+                    enable_prefix_caching=e.enable_prefix_caching,
+                ),
+                ParallelConfig(e.tensor_parallel_size, e.placement_strategy, e.placement_timeout_s),
+                SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens),
+                seed=e.seed,
+                deadline_config=DeadlineConfig(e.default_timeout_s, e.max_queue_s),
+            )
+            core.on_queue_time = lambda seconds: record_latency("queue", seconds, "engine")
+            return core
+
         # Built lazily on the first grammar: engines that never see one never pay for it.
         grammar_cache = CompiledGrammarCache(lambda: load_tokenizer_info(config.model))
-        core.on_queue_time = lambda seconds: record_latency("queue", seconds, "engine")
+        # The core is built on the engine's step thread (see AsyncEngine._main).
         self.engine = AsyncEngine(
-            core,
+            build_core,
             grammar_cache.get_constraint,
             e.output_queue_size,
             e.hold_timeout_s,
@@ -72,7 +77,7 @@ class EngineService:
             "engine replica ready on %s (tp=%d, %d KV blocks)",
             describe(),
             e.tensor_parallel_size,
-            core.block_manager.num_blocks,
+            self.engine.core.block_manager.num_blocks,
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
