@@ -10,6 +10,7 @@ import uuid
 import httpx
 import jsonschema
 import pytest
+from admin_client import engine_timeline
 from generation_fixtures import ORPHAN_AFTER_S, QUICK_DEADLINE_S, SESSION, SUPPORT_DRAFT_V1, poll
 
 from serve_app.store import GenerationRecord
@@ -93,6 +94,17 @@ def test_background_is_202_with_location_then_polled_to_the_end(serve_url):
     final = polled.json()
     assert_text_outcome(final, max_output=64)
     assert final["id"] == accepted["id"] and final["started_at"] >= final["created_at"]
+
+
+def test_a_background_generation_has_its_engine_timeline_under_its_id(serve_url, admin_url):
+    r = create(serve_url, reply_body(execution="background", max_output_tokens=16))
+    assert r.status_code == 202, r.text
+    final = poll(serve_url, r.json()["id"], TERMINAL)
+    record = engine_timeline(admin_url, final["id"])
+    (entry,) = record["engine_requests"]
+    assert entry["finished"] and entry["num_output_tokens"] == final["usage"]["output_tokens"]
+    timeline = entry["timeline"]
+    assert 0 <= timeline["scheduled_s"] <= timeline["first_token_s"] <= timeline["finished_s"]
 
 
 def test_stream_events_in_order_and_the_resource_saved_before_the_end(serve_url):

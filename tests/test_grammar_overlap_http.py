@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from admin_client import engine_timeline
 from conftest import free_port
 from side_apps import side_app
 
@@ -91,17 +92,6 @@ def first_token_s(url: str, ids: list[int], request_id: str, grammar: bool) -> f
                 first = time.monotonic() - started
     assert first is not None, "no token streamed"
     return first
-
-
-def engine_timeline(admin_url: str, request_id: str) -> dict:
-    """The admin port's record of a finished request (replicas push it within ~0.2 s)."""
-    deadline = time.monotonic() + 15
-    while True:
-        r = httpx.get(f"{admin_url}/admin/v1/requests/{request_id}", timeout=10)
-        if r.status_code == 200:
-            return r.json()
-        assert r.status_code == 404 and time.monotonic() < deadline, r.text
-        time.sleep(0.1)
 
 
 def test_slow_compile_overlaps_prefill_over_http(overlap):
