@@ -151,6 +151,19 @@ class AsyncEngine:
             self.hold_timeout_s, self._expire_hold, core_id, stream
         )
 
+    def pause_reader(self, request_id: str, paused: bool) -> None:
+        """The reader's transport stopped (or resumed) taking outputs: hold the request now
+        rather than when its window fills, so nothing more is produced for it."""
+        core_id = self._live_attempts.get(request_id)
+        stream = self._streams.get(core_id) if core_id is not None else None
+        if stream is None or not stream.is_open:
+            return
+        stream.pause_reader(paused)
+        if paused and stream.phase in (Phase.QUEUED, Phase.RUNNING):
+            self._hold(core_id, stream)
+        elif stream.can_resume:
+            self._resume(core_id, stream)
+
     def _resume(self, core_id: str, stream: OutputStream) -> None:
         self._cancel_timer(stream)
         stream.phase = Phase.RUNNING

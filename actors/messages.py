@@ -76,3 +76,6 @@ class EngineRequest:
     timeout_s: float | None = None
     # The attempt number under this request id: outputs of other attempts are fenced off.
     attempt: int = 0
+    # The streamed response this request feeds, when its proxy reports a stalled client
+    # (serve_app.proxy_flow): the engine holds it while that key is paused.
+    flow_key: str | None = None

@@ -44,6 +44,9 @@ class OutputStream:
         self._items: deque[RequestOutput] = deque()
         self._ready = asyncio.Event()
         self.hold_timer: asyncio.TimerHandle | None = None
+        # The reader's own transport stopped taking outputs (a client that stopped reading):
+        # nothing is handed out until it resumes, except the end.
+        self.reader_paused = False
 
     @property
     def is_open(self) -> bool:
@@ -60,11 +63,23 @@ class OutputStream:
             self.phase = Phase.RUNNING
         return self.phase is Phase.RUNNING and len(self._items) >= self.capacity
 
+    @property
+    def can_resume(self) -> bool:
+        return (
+            self.phase is Phase.HELD
+            and not self.reader_paused
+            and len(self._items) <= self.capacity // 2
+        )
+
+    def pause_reader(self, paused: bool) -> None:
+        self.reader_paused = paused
+        if not paused:
+            self._ready.set()
+
     async def pop(self) -> tuple[RequestOutput, bool]:
         """The next output, and True when a held request may resume."""
-        while not self._items:
+        while not self._items or (self.reader_paused and not self._items[-1].finished):
             self._ready.clear()
             await self._ready.wait()
         out = self._items.popleft()
-        resume = self.phase is Phase.HELD and len(self._items) <= self.capacity // 2
-        return out, resume
+        return out, self.can_resume

@@ -17,6 +17,7 @@ from actors.outputs import RequestOutput
 from actors.platform import describe, resolve_dtype
 from serve_app.admin import StatsReporter
 from serve_app.config import ServeConfig
+from serve_app.flow_board import FlowGate
 from serve_app.metrics import record_engine_gauges, record_latency
 from serve_app.timelines import TimelineRing
 
@@ -68,6 +69,7 @@ class EngineService:
             e.hold_timeout_s,
             step_delay_s=e.step_delay_s,
         )
+        self.flow = FlowGate(config.model_id, self.engine.pause_reader)
         self.replica_id = _replica_id()
         self.timelines = TimelineRing(self.replica_id)
         self.reporter = StatsReporter(
@@ -91,8 +93,22 @@ class EngineService:
             timeout_s=request.timeout_s,
             attempt=request.attempt,
         )
-        async for out in self.timelines.watch(request, outputs):
-            yield out
+        key = request.flow_key
+        if key is None:
+            async for out in self.timelines.watch(request, outputs):
+                yield out
+            return
+        # Tracked from the first output on: the engine knows the request by then.
+        tracked = False
+        try:
+            async for out in self.timelines.watch(request, outputs):
+                if not tracked and not out.finished:
+                    self.flow.track(key, request.request_id)
+                    tracked = True
+                yield out
+        finally:
+            if tracked:
+                self.flow.untrack(key, request.request_id)
 
     def request_timelines(self, request_id: str) -> list[dict[str, object]]:
         """This replica's recent engine timelines of a request (X-Request-Id or engine id)."""
@@ -121,6 +137,9 @@ class EngineService:
         reporter = getattr(self, "reporter", None)
         if reporter is not None:
             reporter.stop()
+        flow = getattr(self, "flow", None)
+        if flow is not None:
+            flow.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -16,10 +17,13 @@ from serve_app import errors
 from serve_app.auth import principal_of
 from serve_app.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.config import ServeConfig
+from serve_app.flow_board import board_name
 from serve_app.limits import check_request, record_usage
 from serve_app.openai_admission import Admission, Job
 from serve_app.openai_stream import observe_end, record_cancel, stream_sse
 from serve_app.protocol import parse_request
+from serve_app.proxy_flow import flow_header
+from serve_app.proxy_flow import is_enabled as proxy_flow_enabled
 from serve_app.request_ids import HEADER as REQUEST_ID_HEADER
 from serve_app.request_ids import RequestIds
 from serve_app.token_text import TokenTexts
@@ -117,6 +121,14 @@ class OpenAIHandlers:
 
     # ------------------------------------------------------------------- response
     async def _respond(self, job: Job, request: Request) -> Response:
+        headers = {}
+        if job.req.stream and proxy_flow_enabled():
+            # The proxy pauses this key while the client's socket is full; the engine holds.
+            key = uuid.uuid4().hex
+            for r in job.engine_requests:
+                r.flow_key = key
+            name, value = flow_header(board_name(self.config.model_id), key)
+            headers[name] = value
         streams = [self.engine.generate.remote(r) for r in job.engine_requests]
         firsts = []
         try:
@@ -128,7 +140,9 @@ class OpenAIHandlers:
             raise
         merged = self._merge(streams, firsts, job)
         if job.req.stream:
-            return StreamingResponse(stream_sse(merged, job), media_type="text/event-stream")
+            return StreamingResponse(
+                stream_sse(merged, job), media_type="text/event-stream", headers=headers
+            )
         try:
             return await self._collect(merged, job)
         except asyncio.CancelledError:

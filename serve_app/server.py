@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.request
 
+from serve_app import proxy_flow
 from serve_app.admin import start_admin
 from serve_app.config import ServeConfig
 
@@ -41,6 +42,16 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     from serve_app.app import APP_NAME, build_app, engine_placement
     from serve_app.placement import wait_deployed
 
+    if not ray.is_initialized() and not config.ray_address:
+        # Before Ray starts: its proxy inherits this process's environment.
+        proxy_flow.enable_in_environment()
+    if not proxy_flow.is_enabled():
+        logger.warning(
+            "%s is not %s here: a client that stops reading is held only when its "
+            "engine window fills",
+            proxy_flow.CALLBACK_ENV,
+            proxy_flow.CALLBACK_PATH,
+        )
     if not ray.is_initialized():
         if config.ray_address:
             ray.init(address=config.ray_address, log_to_driver=False)

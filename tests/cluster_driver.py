@@ -101,6 +101,9 @@ def main() -> int:
     import ray
     from ray.cluster_utils import Cluster
 
+    from serve_app.proxy_flow import enable_in_environment
+
+    enable_in_environment()
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": HEAD_CPUS, "num_gpus": 0, "include_dashboard": False},

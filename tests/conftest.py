@@ -42,6 +42,10 @@ def ray_session():
     if ray.is_initialized():
         yield ray
         return
+    from serve_app.proxy_flow import enable_in_environment
+
+    # Before Ray starts: Serve's proxy inherits it (the proxy's flow middleware).
+    enable_in_environment()
     # address="local": never join another Ray that happens to run on this machine.
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:

@@ -87,6 +87,37 @@ def test_a_stalled_reader_is_held_while_others_stream_then_resumes_unchanged(llm
     asyncio.run(scenario())
 
 
+def test_a_paused_reader_is_held_at_once_hands_out_nothing_and_resumes_unchanged(llm):
+    """What the proxy's flow signal does: hold before the window fills, deliver nothing
+    until the reader's transport takes outputs again."""
+    reference = token_ids_of_full_run(llm)
+
+    async def scenario():
+        engine = make_engine(llm, output_queue_size=64, hold_timeout_s=60)
+        try:
+            gen = engine.generate("paused", PROMPT, LONG)
+            first: list = []
+            await read(gen, first, 1)
+            engine.pause_reader("paused", True)
+            await wait_for(lambda: engine.stats()["held"] == 1, timeout_s=1.0)
+            pending = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0.3)
+            assert not pending.done()
+            # Held well before its 64-output window: at most the step in flight landed.
+            blocks = engine.stats()["kv_blocks_used"]
+            await asyncio.sleep(0.2)
+            assert engine.stats()["kv_blocks_used"] == blocks
+            engine.pause_reader("paused", False)
+            rest = [await pending]
+            await collect(gen, rest)
+            assert token_ids(first + rest) == reference
+            await wait_for(lambda: engine.stats()["live_requests"] == 0)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(scenario())
+
+
 def token_ids_of_full_run(llm: LLM) -> list[int]:
     return llm.generate([PROMPT], LONG)[0].outputs[0].token_ids
 

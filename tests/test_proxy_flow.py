@@ -1,0 +1,147 @@
+"""The pieces of proxy backpressure without Ray: the proxy middleware's stall detection and
+header hygiene, the board's versions and leases, and the gate's pause/resume calls."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app import flow_board, proxy_flow
+from serve_app.flow_board import FlowBoard, FlowGate
+from serve_app.proxy_flow import FLOW_HEADER, ProxyFlowMiddleware, flow_header
+
+
+class FakeBoard:
+    """Stands in for the board actor: `handle.pause.remote(key)` is awaitable."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+        def method(name):
+            class M:
+                @staticmethod
+                def remote(key):
+                    self.calls.append((name, key))
+                    fut = asyncio.get_running_loop().create_future()
+                    fut.set_result(None)
+                    return fut
+
+            return M
+
+        self.pause, self.resume = method("pause"), method("resume")
+
+
+def streaming_app(num_chunks: int, headers: list):
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for i in range(num_chunks):
+            await send({"type": "http.response.body", "body": b"x", "more_body": i < num_chunks})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+def run_through(app, send_delays: list[float]) -> tuple[list[dict], FakeBoard]:
+    """Run `app` behind the middleware; the client's socket takes body write i after
+    `send_delays[i]` seconds (0 when the list runs out)."""
+    board = FakeBoard()
+    sent: list[dict] = []
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            i = sum(m["type"] == "http.response.body" for m in sent)
+            await asyncio.sleep(send_delays[i] if i < len(send_delays) else 0)
+        sent.append(message)
+
+    async def main():
+        middleware = ProxyFlowMiddleware(app)
+        await middleware({"type": "http"}, None, send)
+        await asyncio.gather(*middleware._calls)
+
+    original = proxy_flow._lookup_board
+    proxy_flow._lookup_board = lambda name: board
+    try:
+        asyncio.run(main())
+    finally:
+        proxy_flow._lookup_board = original
+    return sent, board
+
+
+def test_a_stuck_write_pauses_its_flow_and_the_write_going_through_resumes_it():
+    name, value = flow_header("flow:my model", "k1")
+    app = streaming_app(
+        4, [(b"content-type", b"text/event-stream"), (name.encode(), value.encode())]
+    )
+    sent, board = run_through(app, [0, 0, proxy_flow.STALL_S + 0.3, 0])
+    assert board.calls == [("pause", "k1"), ("resume", "k1")]
+    # The internal header never reaches the client; the others do.
+    headers = dict(sent[0]["headers"])
+    assert FLOW_HEADER.encode() not in headers and headers[b"content-type"] == b"text/event-stream"
+    assert len(sent) == 6
+
+
+def test_a_long_stall_keeps_renewing_its_pause():
+    name, value = flow_header("flow:m", "k2")
+    app = streaming_app(1, [(name.encode(), value.encode())])
+    _, board = run_through(app, [proxy_flow.STALL_S + 2.2 * proxy_flow.HEARTBEAT_S])
+    assert board.calls == [("pause", "k2")] * 3 + [("resume", "k2")]
+
+
+def test_responses_without_a_flow_key_are_passed_through_untouched():
+    sent, board = run_through(streaming_app(2, [(b"a", b"b")]), [proxy_flow.STALL_S + 0.2])
+    assert board.calls == [] and sent[0]["headers"] == [(b"a", b"b")]
+
+
+def test_the_board_wakes_watchers_on_change_and_expires_unrenewed_leases():
+    async def main():
+        board = FlowBoard(lease_s=0.3)
+        version, keys = await board.watch(-1, 1.0)
+        assert keys == []
+        watcher = asyncio.create_task(board.watch(version, 5.0))
+        await asyncio.sleep(0.05)
+        await board.pause("a")
+        version, keys = await asyncio.wait_for(watcher, 1.0)
+        assert keys == ["a"]
+        await board.resume("a")
+        await board.pause("b")
+        # Nobody renews "b": its lease ends, and a watch returns without it.
+        version, keys = await board.watch(version, 0.1)
+        assert keys == ["b"]
+        await asyncio.sleep(0.35)
+        _, keys = await board.watch(version, 0.1)
+        assert keys == []
+
+    asyncio.run(main())
+
+
+def test_the_gate_pauses_and_resumes_only_the_requests_of_a_key():
+    calls: list[tuple[str, bool]] = []
+    gate = FlowGate("app", lambda rid, paused: calls.append((rid, paused)))
+    gate._requests = {"k": {"r1"}, "other": {"r2"}}
+    gate.apply({"k"})
+    gate.apply({"k"})
+    gate.apply(set())
+    assert calls == [("r1", True), ("r1", False)]
+
+
+def test_a_request_tracked_under_an_already_paused_key_is_paused_at_once(monkeypatch):
+    calls: list[tuple[str, bool]] = []
+
+    async def main():
+        gate = FlowGate("app", lambda rid, paused: calls.append((rid, paused)))
+        monkeypatch.setattr(gate, "_watch", lambda: asyncio.sleep(0))
+        gate._paused = {"k"}
+        gate.track("k", "r1")
+        gate.untrack("k", "r1")
+        assert gate._task is None and gate._paused == set()
+
+    asyncio.run(main())
+    assert calls == [("r1", True)]
+
+
+@pytest.mark.parametrize("value", ["", "other.module:callback"])
+def test_an_operators_own_proxy_callback_is_kept_and_flow_is_then_off(monkeypatch, value):
+    monkeypatch.setenv(proxy_flow.CALLBACK_ENV, value)
+    assert proxy_flow.enable_in_environment() is False
+    assert flow_board.board_name("m") == "flow:m"
