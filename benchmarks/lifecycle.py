@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import sys
 import time
 
@@ -18,6 +19,9 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import checkpoint, free_port, percentile, write_json  # noqa: E402
+
+# Long enough that an unread stream outgrows the socket buffers (~265 bytes per event).
+SLOW_MAX_TOKENS = 900
 
 
 def body(model: str, prompt: str, max_tokens: int) -> dict:
@@ -47,26 +51,48 @@ async def normal_stream(http, url, model, max_tokens) -> float:
     return (count - 1) / (last - first) if count > 1 and last > first else float("nan")
 
 
-async def slow_stream(http, url, model, max_tokens, stop: asyncio.Event) -> None:
-    """A client that reads one event every 0.5 s until the normal clients are done."""
-    async with http.stream(
-        "POST", f"{url}/v1/completions", json=body(model, "slow", max_tokens)
-    ) as r:
+async def slow_stream(url, model, max_tokens, stop: asyncio.Event) -> None:
+    """A client that reads one event every 0.5 s until the normal clients are done, through
+    a small socket receive buffer: a few KiB unread fill it, so its proxy sees it stall."""
+    transport = httpx.AsyncHTTPTransport(
+        socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)]
+    )
+    async with (
+        httpx.AsyncClient(timeout=600, transport=transport) as http,
+        http.stream("POST", f"{url}/v1/completions", json=body(model, "slow", max_tokens)) as r,
+    ):
         async for _ in r.aiter_lines():
             if stop.is_set():
                 return
             await asyncio.sleep(0.5)
 
 
-async def mixed(url, model, num_normal, num_slow, rounds, max_tokens) -> float:
-    """Mean decode rate of the normal streams, `num_slow` slow readers alongside."""
+async def wait_held(admin_url: str, count: int, timeout_s: float = 300.0) -> float:
+    """Seconds until the engine holds `count` requests (the slow readers' buffers full)."""
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=30) as http:
+        while True:
+            total = (await http.get(f"{admin_url}/admin/v1/stats")).json()["total"]
+            if total["held"] >= count:
+                return time.perf_counter() - start
+            if time.perf_counter() - start > timeout_s:
+                raise TimeoutError(f"{count} slow readers not held after {timeout_s:.0f}s")
+            await asyncio.sleep(0.1)
+
+
+async def mixed(url, admin_url, model, num_normal, num_slow, rounds, max_tokens) -> float:
+    """Mean decode rate of the normal streams, with `num_slow` slow readers alongside. The
+    slow readers start first; the normal streams start once the engine holds all of them,
+    so the figure is the steady state (not the seconds their buffers take to fill)."""
     stop = asyncio.Event()
-    limits = httpx.Limits(max_connections=num_normal + num_slow + 4)
+    limits = httpx.Limits(max_connections=num_normal + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         slow = [
-            asyncio.create_task(slow_stream(http, url, model, 4 * max_tokens, stop))
+            asyncio.create_task(slow_stream(url, model, SLOW_MAX_TOKENS, stop))
             for _ in range(num_slow)
         ]
+        if num_slow:
+            await wait_held(admin_url, num_slow)
         rates: list[float] = []
 
         async def worker():
@@ -129,9 +155,10 @@ def main() -> None:
     url = start(config, ray_init_kwargs={"num_cpus": 8})
     try:
         model = config.model_id
-        asyncio.run(mixed(url, model, 4, 0, 1, 8))  # warm-up
-        alone = asyncio.run(mixed(url, model, 12, 0, rounds, max_tokens))
-        with_slow = asyncio.run(mixed(url, model, 12, 4, rounds, max_tokens))
+        admin_url = f"http://127.0.0.1:{config.admin_port}"
+        asyncio.run(mixed(url, admin_url, model, 4, 0, 1, 8))  # warm-up
+        alone = asyncio.run(mixed(url, admin_url, model, 12, 0, rounds, max_tokens))
+        with_slow = asyncio.run(mixed(url, admin_url, model, 12, 4, rounds, max_tokens))
         leave = disconnect_to_baseline(url, model, trials)
     finally:
         stop()
@@ -140,6 +167,8 @@ def main() -> None:
         "slow_consumers": {
             "normal_streams": 12,
             "slow_streams": 4,
+            "slow_stream_reads_per_s": 2,
+            "slow_stream_rcvbuf_bytes": 4096,
             "normal_decode_tok_s_alone": alone,
             "normal_decode_tok_s_with_slow": with_slow,
             "ratio": with_slow / alone,

@@ -94,7 +94,8 @@ def get_or_create_board(app_id: str) -> Any:
 class FlowGate:
     """An engine replica's side of the board: tracks the flow keys of its live requests and
     calls `set_paused(engine_request_id, paused)` as the board pauses and resumes them.
-    It watches the board only while it tracks a key. Lives on the replica's event loop."""
+    It watches the board from its first tracked key until `stop` (one long poll per
+    `WATCH_S` when idle), so requests pay no set-up. Lives on the replica's event loop."""
 
     def __init__(self, app_id: str, set_paused: Callable[[str, bool], None]):
         self.app_id = app_id
@@ -117,10 +118,6 @@ class FlowGate:
             ids.discard(request_id)
             if not ids:
                 del self._requests[key]
-        if not self._requests and self._task is not None:
-            self._task.cancel()
-            self._task = None
-            self._paused = set()
 
     def stop(self) -> None:
         if self._task is not None:

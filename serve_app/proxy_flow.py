@@ -126,7 +126,9 @@ def _bound_buffers(send: Any) -> None:
     sock = transport.get_extra_info("socket")
     if sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SNDBUF_BYTES)
-    transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
+    # Resume writing once half the buffer drained (asyncio's default is a quarter): a slow
+    # reader is resumed sooner, well inside its hold deadline.
+    transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES, low=WRITE_HIGH_WATER_BYTES // 2)
 
 
 class _ResponseFlow:

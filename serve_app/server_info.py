@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app import errors
+from serve_app import errors, proxy_flow
 from serve_app.auth import KeyLimits
 from serve_app.chat_output import DEFAULT_TOOL_PARSER
 from serve_app.config import ServeConfig
@@ -136,6 +136,7 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "output_queue_size": config.engine.output_queue_size,
             "hold_timeout_s": config.engine.hold_timeout_s,
             "past_hold_timeout": "finish_reason abort, stop_reason slow_consumer",
+            "stalled_client": stalled_client_info(),
         },
         "disconnect_policy": {
             "openai": "a request is cancelled when its client disconnects",
@@ -160,4 +161,22 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "block_size": config.engine.block_size,
             "prefix_caching": config.engine.enable_prefix_caching,
         },
+    }
+
+
+def stalled_client_info() -> dict[str, Any]:
+    """How a client that stops reading an OpenAI stream is seen through Serve's proxy."""
+    if not proxy_flow.is_enabled():
+        return {"detected": False, "held_when": "the engine's output window fills"}
+    return {
+        "detected": True,
+        "held_when": (
+            "the proxy's write to the client has waited stall_s: the client left about "
+            "socket_sndbuf_bytes + write_high_water_bytes of the stream unread beyond its "
+            "own receive buffer"
+        ),
+        "stall_s": proxy_flow.STALL_S,
+        "socket_sndbuf_bytes": 2 * proxy_flow.SOCKET_SNDBUF_BYTES,
+        "write_high_water_bytes": proxy_flow.WRITE_HIGH_WATER_BYTES,
+        "resumes_when": "the proxy's write goes through",
     }

@@ -173,6 +173,16 @@ def test_a_client_that_stops_reading_is_held_while_others_stream_then_resumes(fl
     wait_for(lambda: is_idle(admin), 5)
 
 
+def test_server_info_states_how_a_stalled_client_is_detected(flow_app):
+    from serve_app import proxy_flow
+
+    url, _ = flow_app
+    info = httpx.get(f"{url}/v1/server_info", timeout=10).json()["backpressure"]
+    assert info["hold_timeout_s"] == HOLD_TIMEOUT_S
+    stalled = info["stalled_client"]
+    assert stalled["detected"] is True and stalled["stall_s"] == proxy_flow.STALL_S
+
+
 def test_a_stall_past_its_hold_deadline_ends_as_slow_consumer_and_frees_its_blocks(flow_app):
     url, admin = flow_app
     stalled = StalledClient(url, body(LONG_TOKENS))

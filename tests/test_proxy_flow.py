@@ -134,7 +134,8 @@ def test_a_request_tracked_under_an_already_paused_key_is_paused_at_once(monkeyp
         gate._paused = {"k"}
         gate.track("k", "r1")
         gate.untrack("k", "r1")
-        assert gate._task is None and gate._paused == set()
+        assert gate._requests == {}
+        gate.stop()
 
     asyncio.run(main())
     assert calls == [("r1", True)]
