@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from serve_app.auth import KeyRing, KeysFile, authorize_admin
+from serve_app.named_actors import get_or_create
 from serve_app.timelines import TimelineIndex
 
 logger = logging.getLogger(__name__)
@@ -71,16 +72,8 @@ class StatsRegistry:
 
 
 def get_or_create_registry(model_id: str):
-    return (
-        ray.remote(StatsRegistry)
-        .options(
-            name=registry_name(model_id),
-            namespace=REGISTRY_NAMESPACE,
-            get_if_exists=True,
-            num_cpus=0,
-            resources=HEAD_ONLY,
-        )
-        .remote()
+    return get_or_create(
+        StatsRegistry, registry_name(model_id), REGISTRY_NAMESPACE, resources=HEAD_ONLY
     )
 
 

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from serve_app.named_actors import get_or_create
+
 logger = logging.getLogger(__name__)
 
 BOARD_NAMESPACE = "serve-app"
@@ -77,18 +79,7 @@ class FlowBoard:
 
 
 def get_or_create_board(app_id: str) -> Any:
-    import ray
-
-    return (
-        ray.remote(FlowBoard)
-        .options(
-            name=board_name(app_id),
-            namespace=BOARD_NAMESPACE,
-            get_if_exists=True,
-            num_cpus=0,
-        )
-        .remote()
-    )
+    return get_or_create(FlowBoard, board_name(app_id), BOARD_NAMESPACE)
 
 
 class FlowGate:

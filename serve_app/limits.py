@@ -22,6 +22,7 @@ from typing import Any
 
 from serve_app import errors
 from serve_app.auth import Principal, require_model
+from serve_app.named_actors import get_or_create
 
 logger = logging.getLogger(__name__)
 
@@ -253,18 +254,7 @@ class Limiter:
 
     def _get_ledger(self) -> Any:
         if self._ledger is None:
-            import ray
-
-            self._ledger = (
-                ray.remote(UsageLedger)
-                .options(
-                    name=ledger_name(self.app_id),
-                    namespace=LEDGER_NAMESPACE,
-                    get_if_exists=True,
-                    num_cpus=0,
-                )
-                .remote()
-            )
+            self._ledger = get_or_create(UsageLedger, ledger_name(self.app_id), LEDGER_NAMESPACE)
         return self._ledger
 
     def start(self) -> contextvars.Token:
