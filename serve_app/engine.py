@@ -94,15 +94,11 @@ class EngineService:
             attempt=request.attempt,
         )
         key = request.flow_key
-        if key is None:
-            async for out in self.timelines.watch(request, outputs):
-                yield out
-            return
         # Tracked from the first output on: the engine knows the request by then.
         tracked = False
         try:
             async for out in self.timelines.watch(request, outputs):
-                if not tracked and not out.finished:
+                if key is not None and not tracked and not out.finished:
                     self.flow.track(key, request.request_id)
                     tracked = True
                 yield out
