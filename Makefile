@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/peer.py --dtype bfloat16 --out benchmarks/results/peer_bf16.json
 	$(PY) benchmarks/batch.py --out benchmarks/results/batch.json
 	$(PY) benchmarks/lifecycle.py --out benchmarks/results/lifecycle.json
+	$(PY) benchmarks/serve_hop.py --out benchmarks/results/serve_hop.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache
