@@ -125,7 +125,10 @@ def _bound_buffers(send: Any) -> None:
         return
     sock = transport.get_extra_info("socket")
     if sock is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SNDBUF_BYTES)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SNDBUF_BYTES)
+        except OSError as exc:  # a socket that refuses keeps the kernel's buffers
+            logger.debug("SO_SNDBUF not set: %s", exc)
     # Resume writing once half the buffer drained (asyncio's default is a quarter): a slow
     # reader is resumed sooner, well inside its hold deadline.
     transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES, low=WRITE_HIGH_WATER_BYTES // 2)

@@ -88,6 +88,43 @@ def test_a_long_stall_keeps_renewing_its_pause():
     assert board.calls == [("pause", "k2")] * 3 + [("resume", "k2")]
 
 
+def test_uvicorns_transport_gets_capped_buffers_and_a_refusing_socket_is_tolerated():
+    class Sock:
+        def __init__(self, fails):
+            self.fails, self.options = fails, []
+
+        def setsockopt(self, *option):
+            if self.fails:
+                raise OSError("not supported")
+            self.options.append(option)
+
+    class Transport:
+        def __init__(self, sock):
+            self.sock, self.limits = sock, None
+
+        def get_extra_info(self, name):
+            return self.sock if name == "socket" else None
+
+        def set_write_buffer_limits(self, high, low):
+            self.limits = (high, low)
+
+    class Cycle:
+        """uvicorn's request cycle: `send` is bound to it, and it holds the transport."""
+
+        def __init__(self, transport):
+            self.transport = transport
+
+        async def send(self, message):
+            pass
+
+    high = proxy_flow.WRITE_HIGH_WATER_BYTES
+    for fails in (False, True):
+        transport = Transport(Sock(fails))
+        proxy_flow._bound_buffers(Cycle(transport).send)
+        assert transport.limits == (high, high // 2)
+        assert len(transport.sock.options) == (0 if fails else 1)
+
+
 def test_responses_without_a_flow_key_are_passed_through_untouched():
     sent, board = run_through(streaming_app(2, [(b"a", b"b")]), [proxy_flow.STALL_S + 0.2])
     assert board.calls == [] and sent[0]["headers"] == [(b"a", b"b")]
