@@ -6,6 +6,29 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+# Side apps share the session's machine: a small KV cache unless a test needs more.
+SIDE_KV_CACHE_BYTES = 32 * 1024**2
+
+
+def side_config(model_dir, model_name: str, data_dir, *, engine=None, admin=False, **fields):
+    """A side app's ServeConfig: its own model name and generations folder, a small KV cache
+    (`engine` adds to or overrides it), and with `admin` an admin port of its own."""
+    from conftest import free_port
+
+    from serve_app.config import ServeConfig
+    from serve_app.profiles import GenerationOptions
+
+    generations = GenerationOptions(data_dir=str(data_dir), **fields.pop("generations", {}))
+    if admin:
+        fields["admin_port"] = free_port()
+    return ServeConfig(
+        model=str(model_dir),
+        served_model_name=model_name,
+        engine={"kv_cache_bytes": SIDE_KV_CACHE_BYTES, **(engine or {})},
+        generations=generations,
+        **fields,
+    )
+
 
 def deploy(config, name: str, url: str, prefix: str) -> None:
     """Run `config`'s graph as app `name` under `prefix` and wait until `url` is healthy."""

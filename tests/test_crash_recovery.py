@@ -25,19 +25,16 @@ MODEL = "crash-tiny"
 def crash_url(serve_url, ray_session, model_dirs, tmp_path_factory):
     from ray import serve
 
-    from serve_app.config import ServeConfig
-    from serve_app.profiles import GenerationOptions, Profile
+    from serve_app.profiles import Profile
 
     profile = Profile(
         name="essay", version="1", instructions="Write at length.", max_output_tokens=900
     )
-    config = ServeConfig(
-        model=str(model_dirs("llama")),
-        served_model_name=MODEL,
-        engine={"kv_cache_bytes": 32 * 1024**2},
-        generations=GenerationOptions(
-            data_dir=str(tmp_path_factory.mktemp("crash-data")), profiles=(profile,)
-        ),
+    config = side_apps.side_config(
+        model_dirs("llama"),
+        MODEL,
+        tmp_path_factory.mktemp("crash-data"),
+        generations={"profiles": (profile,)},
     )
     url = f"{serve_url}{PREFIX}"
     DEPLOYED["config"] = config

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from admin_client import engine_timeline
-from conftest import free_port
-from side_apps import side_app
+from side_apps import side_app, side_config
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -36,17 +35,14 @@ class Overlap:
 
 @pytest.fixture(scope="module")
 def overlap(serve_url, ray_session, model_dirs, tmp_path_factory) -> Overlap:
-    from serve_app.config import ServeConfig
-    from serve_app.profiles import GenerationOptions
-
-    config = ServeConfig(
-        model=str(model_dirs("llama", "bench")),
-        served_model_name=MODEL,
-        admin_port=free_port(),
+    config = side_config(
+        model_dirs("llama", "bench"),
+        MODEL,
+        tmp_path_factory.mktemp("overlap-data"),
         # Both cores for the engine: prefill is the longer of the two waits only if it is slow.
         engine={"replica_cpus": 2, "kv_cache_bytes": 64 * 1024**2},
         grammar={"compile_delay_s": COMPILE_DELAY_S},
-        generations=GenerationOptions(data_dir=str(tmp_path_factory.mktemp("overlap-data"))),
+        admin=True,
     )
     with side_app(config, APP, PREFIX, serve_url, ray_session, admin=True) as (url, admin_url):
         yield Overlap(url, admin_url)

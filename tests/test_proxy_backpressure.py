@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from side_apps import side_app
+from side_apps import side_app, side_config
 
 from serve_app.proxy_flow import FLOW_HEADER
 
@@ -33,21 +33,12 @@ MAX_TOKENS_AT_HOLD = 700
 
 @pytest.fixture(scope="module")
 def flow_app(serve_url, ray_session, model_dirs, tmp_path_factory):
-    from conftest import free_port
-
-    from serve_app.config import ServeConfig
-    from serve_app.profiles import GenerationOptions
-
-    config = ServeConfig(
-        model=str(model_dirs("llama")),
-        served_model_name=MODEL,
-        admin_port=free_port(),
-        engine={
-            "kv_cache_bytes": 32 * 1024**2,
-            "block_size": BLOCK_SIZE,
-            "hold_timeout_s": HOLD_TIMEOUT_S,
-        },
-        generations=GenerationOptions(data_dir=str(tmp_path_factory.mktemp("flow-data"))),
+    config = side_config(
+        model_dirs("llama"),
+        MODEL,
+        tmp_path_factory.mktemp("flow-data"),
+        engine={"block_size": BLOCK_SIZE, "hold_timeout_s": HOLD_TIMEOUT_S},
+        admin=True,
     )
     with side_app(config, "serve-app-flow", "/flow", serve_url, ray_session, admin=True) as apps:
         yield apps

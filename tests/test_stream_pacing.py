@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from side_apps import side_app
+from side_apps import side_app, side_config
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray]
 
@@ -20,14 +20,11 @@ TOKENS = 40
 
 @pytest.fixture(scope="module")
 def paced_url(serve_url, ray_session, model_dirs, tmp_path_factory):
-    from serve_app.config import ServeConfig
-    from serve_app.profiles import GenerationOptions
-
-    config = ServeConfig(
-        model=str(model_dirs("llama")),
-        served_model_name="paced-tiny",
-        engine={"kv_cache_bytes": 32 * 1024**2, "step_delay_s": STEP_DELAY_S},
-        generations=GenerationOptions(data_dir=str(tmp_path_factory.mktemp("paced-data"))),
+    config = side_config(
+        model_dirs("llama"),
+        "paced-tiny",
+        tmp_path_factory.mktemp("paced-data"),
+        engine={"step_delay_s": STEP_DELAY_S},
     )
     with side_app(config, "serve-app-paced", "/paced", serve_url, ray_session) as (url, _):
         yield url
