@@ -32,6 +32,19 @@ def make_engine(llm: LLM, **kwargs) -> AsyncEngine:
     return engine
 
 
+def run_with_engine(llm: LLM, scenario, **kwargs) -> None:
+    """`await scenario(engine)` on a fresh AsyncEngine over the shared LLM, shut down after."""
+
+    async def main() -> None:
+        engine = make_engine(llm, **kwargs)
+        try:
+            await scenario(engine)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
 async def collect(gen, outs: list, stop_after: int | None = None) -> None:
     """Read to the end, or leave (closing the stream, as a disconnect does) after some."""
     async for out in gen:
@@ -61,30 +74,26 @@ async def wait_for(predicate, timeout_s: float = 20.0) -> None:
 def test_a_stalled_reader_is_held_while_others_stream_then_resumes_unchanged(llm):
     reference = token_ids_of_full_run(llm)
 
-    async def scenario():
-        engine = make_engine(llm, output_queue_size=4, hold_timeout_s=60)
-        try:
-            stalled = engine.generate("stalled", PROMPT, LONG)
-            first: list = []
-            await read(stalled, first, 1)
-            others = [[] for _ in range(3)]
-            await asyncio.gather(
-                *(collect(engine.generate(f"o{i}", PROMPT, LONG), others[i]) for i in range(3))
-            )
-            stats = engine.stats()
-            # The others finished all their tokens while the stalled one sat held.
-            assert all(len(token_ids(o)) == 120 for o in others)
-            assert stats["held"] == 1 and stats["live_requests"] == 1
-            assert stats["kv_blocks_used"] > 0
-            rest: list = []
-            await collect(stalled, rest)
-            assert token_ids(first + rest) == reference
-            assert rest[-1].deltas[-1].finish_reason is FinishReason.LENGTH
-            await wait_for(lambda: engine.stats()["live_requests"] == 0)
-        finally:
-            engine.shutdown()
+    async def scenario(engine: AsyncEngine) -> None:
+        stalled = engine.generate("stalled", PROMPT, LONG)
+        first: list = []
+        await read(stalled, first, 1)
+        others = [[] for _ in range(3)]
+        await asyncio.gather(
+            *(collect(engine.generate(f"o{i}", PROMPT, LONG), others[i]) for i in range(3))
+        )
+        stats = engine.stats()
+        # The others finished all their tokens while the stalled one sat held.
+        assert all(len(token_ids(o)) == 120 for o in others)
+        assert stats["held"] == 1 and stats["live_requests"] == 1
+        assert stats["kv_blocks_used"] > 0
+        rest: list = []
+        await collect(stalled, rest)
+        assert token_ids(first + rest) == reference
+        assert rest[-1].deltas[-1].finish_reason is FinishReason.LENGTH
+        await wait_for(lambda: engine.stats()["live_requests"] == 0)
 
-    asyncio.run(scenario())
+    run_with_engine(llm, scenario, output_queue_size=4, hold_timeout_s=60)
 
 
 def test_a_paused_reader_is_held_at_once_hands_out_nothing_and_resumes_unchanged(llm):
@@ -92,30 +101,26 @@ def test_a_paused_reader_is_held_at_once_hands_out_nothing_and_resumes_unchanged
     until the reader's transport takes outputs again."""
     reference = token_ids_of_full_run(llm)
 
-    async def scenario():
-        engine = make_engine(llm, output_queue_size=64, hold_timeout_s=60)
-        try:
-            gen = engine.generate("paused", PROMPT, LONG)
-            first: list = []
-            await read(gen, first, 1)
-            engine.pause_reader("paused", True)
-            await wait_for(lambda: engine.stats()["held"] == 1, timeout_s=1.0)
-            pending = asyncio.ensure_future(gen.__anext__())
-            await asyncio.sleep(0.3)
-            assert not pending.done()
-            # Held well before its 64-output window: at most the step in flight landed.
-            blocks = engine.stats()["kv_blocks_used"]
-            await asyncio.sleep(0.2)
-            assert engine.stats()["kv_blocks_used"] == blocks
-            engine.pause_reader("paused", False)
-            rest = [await pending]
-            await collect(gen, rest)
-            assert token_ids(first + rest) == reference
-            await wait_for(lambda: engine.stats()["live_requests"] == 0)
-        finally:
-            engine.shutdown()
+    async def scenario(engine: AsyncEngine) -> None:
+        gen = engine.generate("paused", PROMPT, LONG)
+        first: list = []
+        await read(gen, first, 1)
+        engine.pause_reader("paused", True)
+        await wait_for(lambda: engine.stats()["held"] == 1, timeout_s=1.0)
+        pending = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.3)
+        assert not pending.done()
+        # Held well before its 64-output window: at most the step in flight landed.
+        blocks = engine.stats()["kv_blocks_used"]
+        await asyncio.sleep(0.2)
+        assert engine.stats()["kv_blocks_used"] == blocks
+        engine.pause_reader("paused", False)
+        rest = [await pending]
+        await collect(gen, rest)
+        assert token_ids(first + rest) == reference
+        await wait_for(lambda: engine.stats()["live_requests"] == 0)
 
-    asyncio.run(scenario())
+    run_with_engine(llm, scenario, output_queue_size=64, hold_timeout_s=60)
 
 
 def token_ids_of_full_run(llm: LLM) -> list[int]:
@@ -123,84 +128,68 @@ def token_ids_of_full_run(llm: LLM) -> list[int]:
 
 
 def test_a_hold_past_its_deadline_ends_as_slow_consumer_and_frees_its_blocks(llm):
-    async def scenario():
-        engine = make_engine(llm, output_queue_size=4, hold_timeout_s=0.3)
-        try:
-            baseline = engine.stats()["kv_blocks_used"]
-            gen = engine.generate("slow", PROMPT, LONG)
-            outs: list = []
-            await read(gen, outs, 1)
-            await wait_for(lambda: engine.stats()["slow_consumer_cancels"] == 1)
-            await wait_for(lambda: engine.stats()["live_requests"] == 0)
-            stats = engine.stats()
-            assert stats["kv_blocks_used"] == baseline and stats["held"] == 0
-            await collect(gen, outs)
-            last = outs[-1].deltas[-1]
-            assert last.finish_reason is FinishReason.ABORT
-            assert last.stop_reason == "slow_consumer"
-            # It never ran past its window: held at 4 unread outputs (+1 step in flight).
-            assert len(token_ids(outs)) <= 1 + 4 + 1
-        finally:
-            engine.shutdown()
+    async def scenario(engine: AsyncEngine) -> None:
+        baseline = engine.stats()["kv_blocks_used"]
+        gen = engine.generate("slow", PROMPT, LONG)
+        outs: list = []
+        await read(gen, outs, 1)
+        await wait_for(lambda: engine.stats()["slow_consumer_cancels"] == 1)
+        await wait_for(lambda: engine.stats()["live_requests"] == 0)
+        stats = engine.stats()
+        assert stats["kv_blocks_used"] == baseline and stats["held"] == 0
+        await collect(gen, outs)
+        last = outs[-1].deltas[-1]
+        assert last.finish_reason is FinishReason.ABORT
+        assert last.stop_reason == "slow_consumer"
+        # It never ran past its window: held at 4 unread outputs (+1 step in flight).
+        assert len(token_ids(outs)) <= 1 + 4 + 1
 
-    asyncio.run(scenario())
+    run_with_engine(llm, scenario, output_queue_size=4, hold_timeout_s=0.3)
 
 
 def test_a_consumer_that_leaves_is_cancelled_within_one_step(llm):
-    async def scenario():
-        engine = make_engine(llm)
+    async def scenario(engine: AsyncEngine) -> None:
         rng = random.Random(0)
-        try:
-            baseline = engine.stats()["kv_blocks_used"]
-            stops = [rng.randint(1, 30) for _ in range(12)]
-            outs = [[] for _ in stops]
-            await asyncio.gather(
-                *(
-                    collect(engine.generate(f"c{i}", PROMPT, LONG), outs[i], stop_after=k)
-                    for i, k in enumerate(stops)
-                )
+        baseline = engine.stats()["kv_blocks_used"]
+        stops = [rng.randint(1, 30) for _ in range(12)]
+        outs = [[] for _ in stops]
+        await asyncio.gather(
+            *(
+                collect(engine.generate(f"c{i}", PROMPT, LONG), outs[i], stop_after=k)
+                for i, k in enumerate(stops)
             )
-            await wait_for(lambda: engine.stats()["live_requests"] == 0)
-            stats = engine.stats()
-            # Each consumer left with the engine at most one step ahead of it.
-            assert stats["fenced_outputs"] <= len(stops)
-            assert stats["kv_blocks_used"] == baseline
-            assert stats["running"] == stats["waiting"] == stats["held"] == 0
-        finally:
-            engine.shutdown()
+        )
+        await wait_for(lambda: engine.stats()["live_requests"] == 0)
+        stats = engine.stats()
+        # Each consumer left with the engine at most one step ahead of it.
+        assert stats["fenced_outputs"] <= len(stops)
+        assert stats["kv_blocks_used"] == baseline
+        assert stats["running"] == stats["waiting"] == stats["held"] == 0
 
-    asyncio.run(scenario())
+    run_with_engine(llm, scenario)
 
 
 def test_a_new_attempt_never_sees_the_closed_attempts_outputs(llm):
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=7)
     fresh = llm.generate([PROMPT], params)[0].outputs[0].token_ids
 
-    async def scenario():
-        engine = make_engine(llm)
-        try:
-            first: list = []
-            await collect(engine.generate("same", PROMPT, params, attempt=0), first, 3)
-            second: list = []
-            await collect(engine.generate("same", PROMPT, params, attempt=1), second)
-            assert all(o.attempt == 1 and o.request_id == "same" for o in second)
-            assert token_ids(second) == fresh
-        finally:
-            engine.shutdown()
+    async def scenario(engine: AsyncEngine) -> None:
+        first: list = []
+        await collect(engine.generate("same", PROMPT, params, attempt=0), first, 3)
+        second: list = []
+        await collect(engine.generate("same", PROMPT, params, attempt=1), second)
+        assert all(o.attempt == 1 and o.request_id == "same" for o in second)
+        assert token_ids(second) == fresh
 
-    asyncio.run(scenario())
+    run_with_engine(llm, scenario)
 
 
 def test_a_live_id_refuses_a_second_attempt(llm):
-    async def scenario():
-        engine = make_engine(llm)
-        try:
-            gen = engine.generate("busy", PROMPT, LONG)
-            await read(gen, [], 1)
-            with pytest.raises(ValueError, match="already running"):
-                await collect(engine.generate("busy", PROMPT, LONG, attempt=1), [])
-            await gen.aclose()
-        finally:
-            engine.shutdown()
+    async def scenario(engine: AsyncEngine) -> None:
+        gen = engine.generate("busy", PROMPT, LONG)
+        await read(gen, [], 1)
+        with pytest.raises(ValueError, match="already running"):
+            await collect(engine.generate("busy", PROMPT, LONG, attempt=1), [])
+        await gen.aclose()
 
-    asyncio.run(scenario())
+    run_with_engine(llm, scenario)
