@@ -49,6 +49,14 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def use_prepacked_linear(device: torch.device, dtype: torch.dtype) -> bool:
+    """CPU linear layers through oneDNN with packed weights (actors/layers/prepack.py), unless
+    `SERVE_APP_CPU_PREPACK=0`. CUDA keeps cuBLAS through F.linear."""
+    if device.type != "cpu" or os.environ.get("SERVE_APP_CPU_PREPACK", "1") == "0":
+        return False
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def distributed_backend() -> str:
     return "nccl" if is_cuda() else "gloo"
 

@@ -49,9 +49,8 @@ def ours_offline(llm: LLM, requests) -> float:
     return t.seconds
 
 
-def batch1_decode(llm: LLM, hf, prompt, num_tokens: int) -> dict:
-    from transformers import GenerationConfig
-
+def batch1_decode_ms(llm: LLM, prompt, num_tokens: int) -> float:
+    """Milliseconds per decoded token for one sequence (the first token's step excluded)."""
     params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up
@@ -59,7 +58,13 @@ def batch1_decode(llm: LLM, hf, prompt, num_tokens: int) -> dict:
         llm.generate([prompt], params)
     with Timer() as first:
         llm.generate([prompt], one)
-    ours = (full.seconds - first.seconds) / (num_tokens - 1)
+    return (full.seconds - first.seconds) / (num_tokens - 1) * 1e3
+
+
+def batch1_decode(llm: LLM, hf, prompt, num_tokens: int) -> dict:
+    from transformers import GenerationConfig
+
+    ours = batch1_decode_ms(llm, prompt, num_tokens) / 1e3
 
     def hf_run(n):
         config = GenerationConfig(
@@ -130,12 +135,37 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     thr = result["offline_throughput"]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar(["ours", "transformers\n(static batches)"], [thr["ours_tok_s"], thr["hf_tok_s"]])
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    names, values = ["ours", "transformers\n(static batches)"], [thr["ours_tok_s"], thr["hf_tok_s"]]
+    if "cpu_linear" in result:
+        names.insert(1, "ours, F.linear\n(no packing)")
+        values.insert(1, result["cpu_linear"]["dense_tok_s"])
+    ax.bar(names, values)
     ax.set_ylabel("useful output tokens/s")
     ax.set_title(f"{thr['num_requests']} mixed requests, bench checkpoint (CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def dense_linear(path: str, requests, packed_s: float) -> dict:
+    """The same requests with linear layers on plain F.linear (SERVE_APP_CPU_PREPACK=0):
+    what the oneDNN packed weights of actors/layers/prepack.py are worth here."""
+    os.environ["SERVE_APP_CPU_PREPACK"] = "0"
+    try:
+        llm = LLM(model=path, max_model_len=1024)
+    finally:
+        del os.environ["SERVE_APP_CPU_PREPACK"]
+    ours_offline(llm, requests[:4])  # warm-up
+    dense_s = ours_offline(llm, requests)
+    decode = batch1_decode_ms(llm, requests[0][0][:16], 64)
+    llm.shutdown()
+    tokens = sum(m for _, m in requests)
+    return {
+        "packed_tok_s": tokens / packed_s,
+        "dense_tok_s": tokens / dense_s,
+        "speedup": dense_s / packed_s,
+        "dense_batch1_ms_per_token": decode,
+    }
 
 
 def main() -> None:
@@ -174,6 +204,7 @@ def main() -> None:
         "prefix_cache": {**prefix_cache_ttft(llm, vocab), "target_ratio": 0.3},
     }
     llm.shutdown()
+    result["cpu_linear"] = dense_linear(path, requests, ours_s)
     if not args.skip_tp:
         result["tensor_parallel"] = tensor_parallel(path, requests[: max(8, n // 4)])
     write_json(result, args.out)

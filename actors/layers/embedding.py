@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.layers.linear import LazySlice, _copy
+from actors.layers.prepack import linear
 from actors.parallel_state import get_tp_group
 
 VOCAB_PADDING = 64
@@ -52,8 +53,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocab: local matmul, then the shards gathered on every rank."""
 
+    packed_weight: torch.Tensor | None = None  # see ColumnParallelLinear
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         # (num_tokens, vocab_per_rank) -> (num_tokens, vocab_size)
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, packed=self.packed_weight)
         logits = get_tp_group().all_gather_last_dim(logits)
         return logits[:, : self.vocab_size]

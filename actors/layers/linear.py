@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from actors.layers.prepack import linear
 from actors.parallel_state import get_tp_group
 
 
@@ -40,6 +40,9 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W split by output rows; each rank yields its slice of y."""
 
+    # Set by `prepack_linears` on CPU (then `weight` itself is the packed tensor).
+    packed_weight: torch.Tensor | None = None
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, what: str = ""):
         super().__init__()
         tp = get_tp_group()
@@ -58,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, loaded[self.tp_rank * n : (self.tp_rank + 1) * n], "column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -110,6 +113,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced."""
 
+    packed_weight: torch.Tensor | None = None  # see ColumnParallelLinear
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, what: str = ""):
         super().__init__()
         tp = get_tp_group()
@@ -131,6 +136,6 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded[:], "row-parallel bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, packed=self.packed_weight)
         get_tp_group().all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -12,6 +12,7 @@ from torch import nn
 from actors.config import ModelConfig
 from actors.layers.attention import AttentionBackend
 from actors.layers.linear import default_weight_loader
+from actors.layers.prepack import prepack_linears
 from actors.layers.rotary import RotaryEmbedding, inv_freq_and_scale
 from actors.models import MODEL_REGISTRY
 
@@ -32,7 +33,9 @@ def build_model(config: ModelConfig, backend: AttentionBackend, device: torch.de
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, config)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    prepack_linears(model, device, config.dtype)
+    return model
 
 
 def load_weights(model: nn.Module, config: ModelConfig) -> None:

@@ -1,0 +1,75 @@
+"""Linear layers on CPU through oneDNN, with each weight reordered once at load.
+
+`F.linear` on CPU calls a plain GEMM that re-reads the weight in its stored layout on every
+call; at decode batch sizes that is the step's largest cost, and it reaches about a third of
+the memory bandwidth. oneDNN's inner-product primitive with a weight already in its blocked
+layout (the path torch's own CPU compiler takes) does the same product 1.3-2.5x faster here
+(`benchmarks/engine.py`). Packing happens once, after the checkpoint is loaded; a weight that
+belongs to one linear layer is replaced by its packed form (same logical shape, no second
+copy), a weight shared with the embedding (tied LM head) keeps its dense form and gains a
+packed copy.
+
+Each packed weight is checked against `F.linear` on a random input before it is used; any
+failure (op missing from a torch build, a dtype the CPU cannot do) keeps the dense path for
+the whole model and is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.platform import use_prepacked_linear
+
+logger = logging.getLogger(__name__)
+
+# Relative error of a packed product against F.linear that still counts as the same layer.
+_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x W^T (+ b), through the packed weight when the layer has one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    x = torch.randn(4, weight.shape[1], dtype=weight.dtype)
+    want = F.linear(x, weight).float()
+    got = linear(x, weight, packed=packed).float()
+    error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+    if not error <= _TOLERANCE[weight.dtype]:
+        raise RuntimeError(f"packed product differs from F.linear (relative error {error:.2e})")
+    return packed
+
+
+def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Packs every layer that has a `packed_weight` slot; returns how many (0: dense path)."""
+    if not use_prepacked_linear(device, dtype) or dtype not in _TOLERANCE:
+        return 0
+    layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    counts: dict[int, int] = {}
+    for param in (p for _, p in model.named_parameters(remove_duplicate=False)):
+        counts[id(param)] = counts.get(id(param), 0) + 1
+    try:
+        packed = [_pack(m.weight) for m in layers]
+    except Exception as exc:  # noqa: BLE001 (any failure keeps the dense path, which works)
+        logger.warning("linear layers stay on F.linear: oneDNN packing failed (%s)", exc)
+        return 0
+    for layer, weight in zip(layers, packed, strict=True):
+        if counts[id(layer.weight)] == 1:
+            # The parameter becomes the packed tensor (same logical shape): no second copy.
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+        # Tied: the embedding still reads the dense weight, the head the packed copy.
+        layer.packed_weight = weight
+    return len(layers)

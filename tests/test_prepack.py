@@ -1,0 +1,97 @@
+"""CPU linear layers through oneDNN with packed weights (actors/layers/prepack.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.config import ModelConfig
+from actors.layers import prepack
+from actors.layers.attention import TorchPagedAttention
+from actors.models.loader import build_model
+from actors.parallel_state import ensure_single_rank_group
+
+
+def _build(path, dtype=torch.float32):
+    ensure_single_rank_group()
+    config = ModelConfig.from_pretrained(str(path), dtype=dtype)
+    backend = TorchPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+    return build_model(config, backend, torch.device("cpu"))
+
+
+def _layers(model):
+    return [m for m in model.modules() if hasattr(m, "packed_weight")]
+
+
+def _products(model, seed=0):
+    """Every layer's output on one random input: what the packing must not change."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    with torch.inference_mode():
+        for layer in _layers(model):
+            x = torch.randn(5, layer.weight.shape[1], generator=g, dtype=model_dtype(model))
+            out.append(layer(x).float())
+    return out
+
+
+def model_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layers_hold_one_packed_copy_and_match_the_dense_path(
+    model_dirs, monkeypatch, dtype
+) -> None:
+    packed = _build(model_dirs("llama"), dtype)
+    layers = _layers(packed)
+    # qkv, o, gate_up, down per layer, and the LM head.
+    assert len(layers) == 4 * packed.config.num_layers + 1
+    for layer in layers:
+        assert layer.packed_weight is not None and layer.packed_weight.is_mkldnn
+        assert layer.weight.is_mkldnn  # not tied: no dense copy is kept
+    monkeypatch.setenv("SERVE_APP_CPU_PREPACK", "0")
+    dense = _build(model_dirs("llama"), dtype)
+    for layer in _layers(dense):
+        assert layer.packed_weight is None and not layer.weight.is_mkldnn
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(_products(packed), _products(dense), strict=True):
+        assert (got - want).abs().max() <= tolerance * want.abs().max()
+    # The shapes a rank reports (shard_info) are the logical ones either way.
+    shapes = {n: tuple(p.shape) for n, p in packed.named_parameters()}
+    assert shapes == {n: tuple(p.shape) for n, p in dense.named_parameters()}
+
+
+def test_tied_head_keeps_the_dense_embedding(model_dirs) -> None:
+    model = _build(model_dirs("qwen2"))
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert head.weight is embed.weight and not embed.weight.is_mkldnn
+    assert head.packed_weight is not None and head.packed_weight.is_mkldnn
+    with torch.inference_mode():
+        hidden = torch.randn(3, embed.weight.shape[1])
+        want = torch.nn.functional.linear(hidden, embed.weight)[:, : head.vocab_size]
+        assert torch.allclose(model.compute_logits(hidden), want, rtol=1e-4, atol=1e-4)
+        ids = torch.tensor([1, 2, 3])
+        assert torch.equal(embed(ids), embed.weight[ids])
+
+
+def test_a_failed_packing_keeps_the_whole_model_dense(model_dirs, monkeypatch, caplog) -> None:
+    def fail(weight):
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setattr(prepack, "_pack", fail)
+    model = _build(model_dirs("llama"))
+    assert all(layer.packed_weight is None for layer in _layers(model))
+    assert "oneDNN packing failed (no oneDNN here)" in caplog.text
+    assert all(torch.isfinite(p).all() for p in _products(model))
+
+
+def test_packing_is_checked_against_f_linear(monkeypatch) -> None:
+    weight = torch.randn(16, 8)
+    real = prepack.linear
+
+    def wrong(x, w, bias=None, packed=None):
+        return real(x, w, bias, packed) + (1.0 if packed is not None else 0.0)
+
+    monkeypatch.setattr(prepack, "linear", wrong)
+    with pytest.raises(RuntimeError, match="differs from F.linear"):
+        prepack._pack(weight)
