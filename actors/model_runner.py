@@ -162,6 +162,8 @@ class ModelRunner:
             else:
                 group.append(i)
         window = self.config.sliding_window
+        num_blocks = self.kv_caches[0][0].shape[1]
+        head_offsets = torch.arange(self.num_local_kv_heads, device=self.device) * num_blocks
         buckets = []
         for group in groups:
             max_blocks = -(-ctx[group[0]] // bs)
@@ -174,10 +176,11 @@ class ModelRunner:
             allowed = k_pos < lens
             if window is not None:
                 allowed &= k_pos >= lens - window
+            flat_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
             buckets.append(
                 DecodeBucket(
                     rows=torch.tensor(group, dtype=torch.long, device=self.device),
-                    flat_block_ids=torch.tensor(flat, dtype=torch.long, device=self.device),
+                    head_rows=(head_offsets.unsqueeze(1) + flat_ids).reshape(-1),
                     max_blocks=max_blocks,
                     mask=self._additive(allowed),
                 )

@@ -97,9 +97,10 @@ class TorchPagedAttention(AttentionBackend):
         b = q.shape[0]
         num_slots = bucket.max_blocks * block_size
         k_flat, v_flat = self._buffers(h_kv * b * num_slots * d, k_cache)
-        shape = (h_kv, b * bucket.max_blocks, block_size, d)
-        torch.index_select(k_cache, 1, bucket.flat_block_ids, out=k_flat.view(shape))
-        torch.index_select(v_cache, 1, bucket.flat_block_ids, out=v_flat.view(shape))
+        rows = (h_kv * b * bucket.max_blocks, block_size * d)
+        by_row = k_cache.view(-1, block_size * d), v_cache.view(-1, block_size * d)
+        torch.index_select(by_row[0], 0, bucket.head_rows, out=k_flat.view(rows))
+        torch.index_select(by_row[1], 0, bucket.head_rows, out=v_flat.view(rows))
         ks = k_flat.view(h_kv * b, num_slots, d)
         vs = v_flat.view(h_kv * b, num_slots, d)
         # (b, heads, d) -> (kv_heads * b, group, d): GQA as rows, no K/V expansion.
