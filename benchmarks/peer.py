@@ -5,8 +5,9 @@ Both get the same streamed `/v1/completions` requests with only the fields both 
 (`model`, `prompt`, `max_tokens`, `temperature: 0`, `stream`): the peer answers unknown fields
 such as `ignore_eos` with 422. Output tokens are counted the same way for both, by encoding the
 streamed text with the checkpoint's tokenizer. The servers run one after the other (never at
-the same time), each with the same number of torch threads. Prints JSON; with --out also writes
-a PNG next to it.
+the same time), each with the same number of torch threads. The warm-up and each level get
+prompts of their own, so no level is served from a prefix cache an earlier one filled. Prints
+JSON; with --out also writes a PNG next to it.
 """
 
 from __future__ import annotations
@@ -159,6 +160,21 @@ async def run_level(
     }
 
 
+WARMUP_REQUESTS = 4
+
+
+def split_requests(requests: list[Prompt], levels: list[int], per_level: Callable[[int], int]):
+    """Disjoint prompts for the warm-up and for each level: no level is served from a prefix
+    cache that an earlier level (or the warm-up) filled."""
+    parts, start = [], WARMUP_REQUESTS
+    for c in levels:
+        parts.append(requests[start : start + per_level(c)])
+        start += per_level(c)
+    if start > len(requests):
+        raise ValueError(f"{len(requests)} prompts for {start} requests")
+    return requests[:WARMUP_REQUESTS], parts
+
+
 def sweep(
     server: ServerProcess,
     requests: list[Prompt],
@@ -169,11 +185,11 @@ def sweep(
 ) -> list[dict]:
     server.wait_healthy(timeout_s=600)
     model = server.model_id()
+    warmup, parts = split_requests(requests, levels, per_level)
     # Warm-up: first-request costs (lazy init, allocator growth) are not what we compare.
-    asyncio.run(run_level(server.url, model, requests[:4], 4, max_tokens, tokenizer))
+    asyncio.run(run_level(server.url, model, warmup, WARMUP_REQUESTS, max_tokens, tokenizer))
     out = []
-    for c in levels:
-        chosen = requests[: per_level(c)]
+    for c, chosen in zip(levels, parts, strict=True):
         out.append(asyncio.run(run_level(server.url, model, chosen, c, max_tokens, tokenizer)))
         print(f"{server.name} c={c}: {out[-1]['output_tok_s']:.1f} tok/s", file=sys.stderr)
     return out
@@ -242,7 +258,7 @@ def main() -> None:
     per_level = (lambda c: max(c, 4)) if args.quick else (lambda c: max(2 * c, 8))
     path = checkpoint("llama", preset)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    requests = text_prompts(path, max(per_level(c) for c in levels + [4]))
+    requests = text_prompts(path, WARMUP_REQUESTS + sum(per_level(c) for c in levels))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env.pop("RAY_ADDRESS", None)  # ours starts its own local Ray
     result: dict = {"checkpoint": f"llama-{preset}", "threads": args.threads, "dtype": args.dtype}
@@ -260,6 +276,7 @@ def main() -> None:
         "prompt_tokens_min_max": [min(n for _, n in requests), max(n for _, n in requests)],
         "max_tokens": max_tokens,
         "per_level": {str(c): per_level(c) for c in levels},
+        "distinct_prompts": "the warm-up and every level get prompts of their own",
         "fields": ["model", "prompt", "max_tokens", "temperature=0", "stream"],
         "token_count": "streamed text encoded with the checkpoint's tokenizer",
     }
