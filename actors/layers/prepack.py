@@ -3,11 +3,11 @@
 `F.linear` on CPU calls a plain GEMM that re-reads the weight in its stored layout on every
 call; at decode batch sizes that is the step's largest cost, and it reaches about a third of
 the memory bandwidth. oneDNN's inner-product primitive with a weight already in its blocked
-layout (the path torch's own CPU compiler takes) does the same product 1.3-2.5x faster here
-(`benchmarks/engine.py`). Packing happens once, after the checkpoint is loaded; a weight that
-belongs to one linear layer is replaced by its packed form (same logical shape, no second
-copy), a weight shared with the embedding (tied LM head) keeps its dense form and gains a
-packed copy.
+layout (the path torch's own CPU compiler takes) does the same products 1.8-3x faster at
+batch 1-16 on the `bench` checkpoint (figures in the README). Packing happens once, after the
+checkpoint is loaded; a weight that belongs to one linear layer is replaced by its packed
+form (same logical shape, no second copy), a weight shared with the embedding (tied LM head)
+keeps its dense form and gains a packed copy.
 
 Each packed weight is checked against `F.linear` on a random input before it is used; any
 failure (op missing from a torch build, a dtype the CPU cannot do) keeps the dense path for
