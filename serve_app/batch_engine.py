@@ -18,7 +18,7 @@ from actors.deadlines import RequestRejected
 from actors.executor import ExecutorError
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
 from actors.llm import LLM
-from actors.torch_thread import TorchThread
+from actors.torch_thread import TorchThread, favour_step_thread
 from serve_app.batch_io import OUTPUT_SCHEMA
 from serve_app.batch_rows import (
     BatchDefaults,
@@ -63,6 +63,7 @@ class BatchEngine:
         # Ray pins an actor to one OpenMP thread per CPU it asked for; with TP the ranks do
         # the model work in their own actors, each with its bundle's CPUs.
         torch.set_num_threads(max(1, num_threads))
+        favour_step_thread()
         self.model = model
         self.tensor_parallel_size = tensor_parallel_size
         self.defaults = defaults or BatchDefaults()
