@@ -49,7 +49,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def use_prepacked_linear(device: torch.device, dtype: torch.dtype) -> bool:
+def use_prepacked_linear(device: torch.device) -> bool:
     """CPU linear layers through oneDNN with packed weights (actors/layers/prepack.py), unless
     `SERVE_APP_CPU_PREPACK=0`. CUDA keeps cuBLAS through F.linear."""
     if device.type != "cpu" or os.environ.get("SERVE_APP_CPU_PREPACK", "1") == "0":

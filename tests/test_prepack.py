@@ -95,3 +95,11 @@ def test_packing_is_checked_against_f_linear(monkeypatch) -> None:
     monkeypatch.setattr(prepack, "linear", wrong)
     with pytest.raises(RuntimeError, match="differs from F.linear"):
         prepack._pack(weight)
+
+
+def test_packing_leaves_the_global_rng_alone(model_dirs) -> None:
+    torch.manual_seed(1234)
+    want = torch.rand(4)
+    torch.manual_seed(1234)
+    _build(model_dirs("llama"))
+    assert torch.equal(torch.rand(4), want)

@@ -44,7 +44,9 @@ def linear(
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    x = torch.randn(4, weight.shape[1], dtype=weight.dtype)
+    # Its own generator: loading a model must not move the global RNG.
+    probe = torch.Generator().manual_seed(0)
+    x = torch.randn(4, weight.shape[1], generator=probe, dtype=weight.dtype)
     want = F.linear(x, weight).float()
     got = linear(x, weight, packed=packed).float()
     error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
@@ -55,7 +57,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """Packs every layer that has a `packed_weight` slot; returns how many (0: dense path)."""
-    if not use_prepacked_linear(device, dtype) or dtype not in _TOLERANCE:
+    if not use_prepacked_linear(device) or dtype not in _TOLERANCE:
         return 0
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
     counts: dict[int, int] = {}
