@@ -41,6 +41,7 @@ class ModelRunner:
         self.num_local_kv_heads = self.backend.num_kv_heads
         self.block_size = cache_config.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.head_offsets = torch.zeros(0, dtype=torch.long)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, seed)
         self.states: dict[str, SeqSamplingState] = {}
 
@@ -68,6 +69,8 @@ class ModelRunner:
             )
             for _ in range(c.num_layers)
         ]
+        # Where each KV head's rows start in a layer's cache seen as (heads * blocks, ...).
+        self.head_offsets = torch.arange(self.num_local_kv_heads, device=self.device) * num_blocks
 
     # ---------------------------------------------------------------------- step
     @torch.inference_mode()
@@ -162,8 +165,6 @@ class ModelRunner:
             else:
                 group.append(i)
         window = self.config.sliding_window
-        num_blocks = self.kv_caches[0][0].shape[1]
-        head_offsets = torch.arange(self.num_local_kv_heads, device=self.device) * num_blocks
         buckets = []
         for group in groups:
             max_blocks = -(-ctx[group[0]] // bs)
@@ -180,7 +181,7 @@ class ModelRunner:
             buckets.append(
                 DecodeBucket(
                     rows=torch.tensor(group, dtype=torch.long, device=self.device),
-                    head_rows=(head_offsets.unsqueeze(1) + flat_ids).reshape(-1),
+                    head_rows=(self.head_offsets.unsqueeze(1) + flat_ids).reshape(-1),
                     max_blocks=max_blocks,
                     mask=self._additive(allowed),
                 )

@@ -17,6 +17,7 @@ the whole model and is logged once.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -60,16 +61,14 @@ def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     if not use_prepacked_linear(device) or dtype not in _TOLERANCE:
         return 0
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
-    counts: dict[int, int] = {}
-    for param in (p for _, p in model.named_parameters(remove_duplicate=False)):
-        counts[id(param)] = counts.get(id(param), 0) + 1
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     try:
         packed = [_pack(m.weight) for m in layers]
     except Exception as exc:  # noqa: BLE001 (any failure keeps the dense path, which works)
         logger.warning("linear layers stay on F.linear: oneDNN packing failed (%s)", exc)
         return 0
     for layer, weight in zip(layers, packed, strict=True):
-        if counts[id(layer.weight)] == 1:
+        if uses[id(layer.weight)] == 1:
             # The parameter becomes the packed tensor (same logical shape): no second copy.
             layer.weight = nn.Parameter(weight, requires_grad=False)
         # Tied: the embedding still reads the dense weight, the head the packed copy.
