@@ -38,6 +38,9 @@ class Ingress:
         self.config = config
         self.identity = identity
         self.created = int(time.time())
+        # A compile's result goes to the engine as an object ref (the engine prefills while
+        # it compiles): by reference whatever Serve's data plane default (serve_app/ray_env.py).
+        grammar_handle = grammar_handle.options(_by_reference=True)
         self.openai = OpenAIHandlers(
             config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit
         )

@@ -9,7 +9,7 @@ import threading
 import time
 import urllib.request
 
-from serve_app import proxy_flow
+from serve_app import proxy_flow, ray_env
 from serve_app.admin import start_admin
 from serve_app.config import ServeConfig
 
@@ -43,8 +43,8 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     from serve_app.placement import wait_deployed
 
     if not ray.is_initialized() and not config.ray_address:
-        # Before Ray starts: its proxy inherits this process's environment.
-        proxy_flow.enable_in_environment()
+        # Before Ray starts: its proxy and replicas inherit this process's environment.
+        ray_env.prepare()
     if not proxy_flow.is_enabled():
         logger.warning(
             "%s is not %s here: a client that stops reading is held only when its "

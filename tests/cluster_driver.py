@@ -101,9 +101,9 @@ def main() -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from serve_app.proxy_flow import enable_in_environment
+    from serve_app import ray_env
 
-    enable_in_environment()
+    ray_env.prepare()
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": HEAD_CPUS, "num_gpus": 0, "include_dashboard": False},

@@ -5,6 +5,12 @@ from pathlib import Path
 
 import pytest
 
+from serve_app import ray_env
+
+# Whichever test starts this process's Ray (a fixture, or an engine with TP ranks), its
+# workers inherit the environment a served Ray gets: flow middleware, gRPC data plane.
+ray_env.prepare()
+
 # Fixtures shared by the grammar test modules.
 pytest_plugins = ["grammar_fixtures", "postgres_fixtures"]
 
@@ -42,10 +48,6 @@ def ray_session():
     if ray.is_initialized():
         yield ray
         return
-    from serve_app.proxy_flow import enable_in_environment
-
-    # Before Ray starts: Serve's proxy inherits it (the proxy's flow middleware).
-    enable_in_environment()
     # address="local": never join another Ray that happens to run on this machine.
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:

@@ -41,6 +41,24 @@ def test_head_starts_ray_then_the_serve_app(config):
     assert "--store postgresql://" in command
 
 
+def test_every_ray_start_has_the_environment_a_local_ray_gets(config):
+    """The settings Serve's processes read when they start (flow middleware, gRPC data
+    plane) come from the raylet's environment: each node's `ray start` must carry them."""
+    from serve_app.ray_env import SETTINGS
+
+    starts = [
+        c
+        for key in ("head_start_ray_commands", "worker_start_ray_commands")
+        for c in config[key]
+        if "ray start" in c
+    ]
+    assert len(starts) == 2
+    for command in starts:
+        env = command.split("ray start")[0]
+        for name, value in SETTINGS.items():
+            assert f"{name}={value}" in env.split(), (name, command)
+
+
 def test_gpu_workers_are_sized_for_the_tp_degree(config):
     head = config["head_node_type"]
     workers = {k: v for k, v in config["available_node_types"].items() if k != head}
