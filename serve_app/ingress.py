@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serve_app import errors
+from serve_app import errors, ray_env
 from serve_app.admin import find_registry
 from serve_app.auth import principal_of
 from serve_app.auth_middleware import admission_middleware
@@ -38,8 +38,13 @@ class Ingress:
         self.config = config
         self.identity = identity
         self.created = int(time.time())
+        # Handles arrive with the options of the process that built the graph; the data
+        # plane is this replica's (its node's `ray start` environment, serve_app/ray_env.py).
+        by_reference = not ray_env.grpc_data_plane()
+        tokenizer_handle = tokenizer_handle.options(_by_reference=by_reference)
+        engine_handle = engine_handle.options(_by_reference=by_reference)
         # A compile's result goes to the engine as an object ref (the engine prefills while
-        # it compiles): by reference whatever Serve's data plane default (serve_app/ray_env.py).
+        # it compiles): always by reference.
         grammar_handle = grammar_handle.options(_by_reference=True)
         self.openai = OpenAIHandlers(
             config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit

@@ -1,0 +1,57 @@
+"""The environment a local Ray starts with, and the data plane the ingress's handles use."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app import proxy_flow, ray_env
+
+
+def test_prepare_sets_what_is_missing_and_keeps_an_operators_choice(monkeypatch):
+    monkeypatch.delenv(ray_env.GRPC_ENV, raising=False)
+    monkeypatch.setenv(proxy_flow.CALLBACK_ENV, "my.own:callback")
+    ray_env.prepare()
+    assert ray_env.grpc_data_plane()
+    assert not proxy_flow.is_enabled()  # the operator's callback stays
+
+    monkeypatch.setenv(ray_env.GRPC_ENV, "0")
+    ray_env.prepare()
+    assert not ray_env.grpc_data_plane()
+
+
+class FakeHandle:
+    """A deployment handle that records the options it was given."""
+
+    def __init__(self, name: str, options: dict | None = None):
+        self.name = name
+        self.given = options or {}
+
+    def options(self, **kwargs) -> FakeHandle:
+        return FakeHandle(self.name, {**self.given, **kwargs})
+
+
+@pytest.mark.parametrize("grpc", ["1", "0"])
+def test_the_ingress_streams_on_its_own_nodes_data_plane(grpc, monkeypatch, model_dirs, tmp_path):
+    """Handles built by the driver carry the driver's transport; the ingress re-decides from
+    its own environment. Grammar compiles stay by reference whatever it is: the engine
+    awaits their object refs while it prefills."""
+    from serve_app.app import served_identity
+    from serve_app.config import ServeConfig
+    from serve_app.ingress import Ingress
+    from serve_app.profiles import GenerationOptions
+
+    monkeypatch.setenv(ray_env.GRPC_ENV, grpc)
+    options = GenerationOptions(data_dir=str(tmp_path))
+    config = ServeConfig(model=str(model_dirs("llama")), generations=options)
+    identity = served_identity(config, {"available": False})
+    handles = [FakeHandle(n) for n in ("tokenizer", "grammar", "engine")]
+    ingress = Ingress(config, *handles, identity)
+
+    by_reference = grpc != "1"
+    streams = [ingress._engine, ingress.openai.engine, ingress.generations.runner.engine]
+    for handle in streams:
+        assert handle.name == "engine"
+        assert handle.given.get("_by_reference") is by_reference
+    assert ingress.openai.tokenizer.given.get("_by_reference") is by_reference
+    for grammar in (ingress.openai.admission.grammar, ingress.generations.runner.grammar):
+        assert grammar.given == {"_by_reference": True}
