@@ -15,12 +15,14 @@ from actors.layers.attention import TorchPagedAttention
 from actors.messages import ScheduledItem, StepInput, StepOutput
 from actors.models.loader import build_model
 from actors.parallel_state import get_tp_group
-from actors.platform import kv_cache_budget_bytes
+from actors.platform import kv_cache_budget_bytes, persistent_decode_gather
 from actors.sampler import Sampler, SeqSamplingState
 
 # A decode bucket closes when the next (shorter) context would pad it by more than this.
 _BUCKET_MIN_FILL = 0.75
 _BUCKET_MIN_SIZE = 4
+# Kept decode gathers (all layers) may take at most this share of the KV cache's bytes.
+_KEPT_GATHER_SHARE = 0.25
 
 
 class ModelRunner:
@@ -44,6 +46,12 @@ class ModelRunner:
         self.head_offsets = torch.zeros(0, dtype=torch.long)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, seed)
         self.states: dict[str, SeqSamplingState] = {}
+        self.keep_gathers = persistent_decode_gather(device)
+        self.kept_gather_budget = 0
+        # Per bucket slot of the last step that completed: (seq ids, max_blocks, block ids)
+        # of a kept gather, or None.
+        self._gathered: list[tuple | None] = []
+        self._gathering: list[tuple | None] = []
 
     # ------------------------------------------------------------------ KV cache
     @property
@@ -71,6 +79,9 @@ class ModelRunner:
         ]
         # Where each KV head's rows start in a layer's cache seen as (heads * blocks, ...).
         self.head_offsets = torch.arange(self.num_local_kv_heads, device=self.device) * num_blocks
+        self.kept_gather_budget = int(_KEPT_GATHER_SHARE * num_blocks * self.bytes_per_block)
+        self._gathered = []
+        self.backend.retain(set())
 
     # ---------------------------------------------------------------------- step
     @torch.inference_mode()
@@ -80,11 +91,14 @@ class ModelRunner:
         for new in step.new_seqs:
             gen = None if new.seed is None else torch.Generator().manual_seed(new.seed)
             self.states[new.seq_id] = SeqSamplingState(new.params, new.prompt_token_ids, [], gen)
+        # Kept gathers are valid only after a step that completed.
+        previous, self._gathered = self._gathered, []
         if not step.items:
             return StepOutput(sampled_token_ids=[]) if self.is_driver else None
-        input_ids, positions, meta, logits_rows = self._prepare(step.items)
+        input_ids, positions, meta, logits_rows = self._prepare(step.items, previous)
         with set_forward_context(meta):
             hidden = self.model(input_ids, positions, self.kv_caches)
+        self._gathered = self._gathering
         logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
         if not self.is_driver:
             return None
@@ -92,7 +106,7 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, states, step.bitmask, step.bitmask_rows)
         return StepOutput(sampled_token_ids=tokens, logprobs=logprobs)
 
-    def _prepare(self, items: list[ScheduledItem]):
+    def _prepare(self, items: list[ScheduledItem], previous: list[tuple | None] | None = None):
         """Flatten the step: prefill chunks first, then single-token (decode) items."""
         bs = self.block_size
         order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) == 1)
@@ -103,6 +117,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
         decode_ctx: list[int] = []
         decode_tables: list[list[int]] = []
+        decode_ids: list[str] = []
         for i in order:
             item = items[i]
             q_start, q_len = len(input_ids), len(item.token_ids)
@@ -116,11 +131,14 @@ class ModelRunner:
             if q_len == 1:
                 decode_ctx.append(ctx_len)
                 decode_tables.append(item.block_table)
+                decode_ids.append(item.seq_id)
             else:
                 meta.prefills.append(self._prefill_meta(item, q_start, q_len, ctx_len))
                 meta.num_prefill_tokens = len(input_ids)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        meta.decode_buckets = self._decode_buckets(decode_ctx, decode_tables)
+        meta.decode_buckets = self._decode_buckets(
+            decode_ctx, decode_tables, decode_ids, previous or []
+        )
         # Logit rows in item order, which is the order the caller expects samples in.
         logits_rows = [row_of_item[i] for i in range(len(items)) if i in row_of_item]
         to_dev = dict(dtype=torch.long, device=self.device)
@@ -152,8 +170,12 @@ class ModelRunner:
         zero = torch.zeros((), dtype=self.config.dtype, device=self.device)
         return torch.where(allowed, zero, torch.finfo(self.config.dtype).min)
 
-    def _decode_buckets(self, ctx: list[int], tables: list[list[int]]) -> list[DecodeBucket]:
+    def _decode_buckets(
+        self, ctx: list[int], tables: list[list[int]], ids: list[str], previous: list
+    ) -> list[DecodeBucket]:
+        self._gathering = []
         if not ctx:
+            self.backend.retain(set())
             return []
         bs = self.block_size
         by_len = sorted(range(len(ctx)), key=lambda i: -ctx[i])
@@ -166,7 +188,8 @@ class ModelRunner:
                 group.append(i)
         window = self.config.sliding_window
         buckets = []
-        for group in groups:
+        kept_bytes = 0
+        for slot, group in enumerate(groups):
             max_blocks = -(-ctx[group[0]] // bs)
             flat: list[int] = []
             for i in group:
@@ -178,12 +201,44 @@ class ModelRunner:
             if window is not None:
                 allowed &= k_pos >= lens - window
             flat_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
-            buckets.append(
-                DecodeBucket(
-                    rows=torch.tensor(group, dtype=torch.long, device=self.device),
-                    head_rows=(self.head_offsets.unsqueeze(1) + flat_ids).reshape(-1),
-                    max_blocks=max_blocks,
-                    mask=self._additive(allowed),
-                )
+            bucket = DecodeBucket(
+                rows=torch.tensor(group, dtype=torch.long, device=self.device),
+                head_rows=(self.head_offsets.unsqueeze(1) + flat_ids).reshape(-1),
+                max_blocks=max_blocks,
+                mask=self._additive(allowed),
+                slot=slot,
             )
+            kept_bytes += len(flat) * self.bytes_per_block
+            bucket.persist = self.keep_gathers and kept_bytes <= self.kept_gather_budget
+            key = None
+            if bucket.persist:
+                # Each sequence's block that takes this step's token (its newest).
+                fresh = [j * max_blocks + (ctx[i] - 1) // bs for j, i in enumerate(group)]
+                key = (tuple(ids[i] for i in group), max_blocks, flat)
+                before = previous[slot] if slot < len(previous) else None
+                if before is not None and _only_fresh_changed(before, key, fresh):
+                    heads = torch.arange(self.num_local_kv_heads, device=self.device)
+                    pos = (
+                        heads.unsqueeze(1) * len(flat) + torch.tensor(fresh, device=self.device)
+                    ).reshape(-1)
+                    bucket.reuse = True
+                    bucket.fresh_pos = pos
+                    bucket.fresh_rows = bucket.head_rows.index_select(0, pos)
+            self._gathering.append(key)
+            buckets.append(bucket)
+        self.backend.retain({b.slot for b in buckets if b.persist})
         return buckets
+
+
+def _only_fresh_changed(before: tuple, now: tuple, fresh: list[int]) -> bool:
+    """Whether a bucket's gather from the last step still holds every block of this one but
+    the `fresh` positions: the same sequences in the same order and padding, and no block
+    id changed elsewhere (a block table only grows while its sequence keeps decoding)."""
+    if before[0] != now[0] or before[1] != now[1]:
+        return False
+    old, new, width = before[2], now[2], now[1]
+    for j, p in enumerate(fresh):
+        start, end = j * width, (j + 1) * width
+        if old[start:p] != new[start:p] or old[p + 1 : end] != new[p + 1 : end]:
+            return False
+    return True

@@ -57,6 +57,14 @@ def use_prepacked_linear(device: torch.device) -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def persistent_decode_gather(device: torch.device) -> bool:
+    """Keep each decode bucket's gathered K/V between steps and copy in only the blocks that
+    changed (actors/layers/attention.py), unless `SERVE_APP_DECODE_GATHER_REUSE=0`. CPU only:
+    the buffers are extra memory that the CUDA KV budget (sized from free memory) leaves no
+    room for."""
+    return device.type == "cpu" and os.environ.get("SERVE_APP_DECODE_GATHER_REUSE", "1") != "0"
+
+
 def distributed_backend() -> str:
     return "nccl" if is_cuda() else "gloo"
 

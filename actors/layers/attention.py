@@ -50,6 +50,13 @@ class TorchPagedAttention(AttentionBackend):
         self.scale = 1.0 / math.sqrt(head_dim)
         self._k_buf: torch.Tensor | None = None
         self._v_buf: torch.Tensor | None = None
+        # (layer's cache address, bucket slot) -> that bucket's K and V gather buffers.
+        self._kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def retain(self, slots: set[int]) -> None:
+        """Free the kept gather buffers of bucket slots not in `slots`."""
+        for key in [k for k in self._kept if k[1] not in slots]:
+            del self._kept[key]
 
     def forward(self, q, k, v, k_cache, v_cache, meta):  # type: ignore[override]
         h_kv, _, block_size, d = k_cache.shape
@@ -92,15 +99,36 @@ class TorchPagedAttention(AttentionBackend):
         assert self._v_buf is not None
         return self._k_buf[:numel], self._v_buf[:numel]
 
+    def _kept_buffers(self, numel: int, k_cache: torch.Tensor, slot: int):
+        """This layer's buffers for a bucket slot, and whether they are the ones last used."""
+        key = (k_cache.data_ptr(), slot)
+        kept = self._kept.get(key)
+        if kept is not None and kept[0].numel() == numel:
+            return kept, True
+        like = dict(dtype=k_cache.dtype, device=k_cache.device)
+        kept = (torch.empty(numel, **like), torch.empty(numel, **like))
+        self._kept[key] = kept
+        return kept, False
+
     def _decode(self, q, k_cache, v_cache, bucket: DecodeBucket) -> torch.Tensor:
         h_kv, _, block_size, d = k_cache.shape
         b = q.shape[0]
         num_slots = bucket.max_blocks * block_size
-        k_flat, v_flat = self._buffers(h_kv * b * num_slots * d, k_cache)
+        numel = h_kv * b * num_slots * d
         rows = (h_kv * b * bucket.max_blocks, block_size * d)
         by_row = k_cache.view(-1, block_size * d), v_cache.view(-1, block_size * d)
-        torch.index_select(by_row[0], 0, bucket.head_rows, out=k_flat.view(rows))
-        torch.index_select(by_row[1], 0, bucket.head_rows, out=v_flat.view(rows))
+        if bucket.persist:
+            (k_flat, v_flat), same = self._kept_buffers(numel, k_cache, bucket.slot)
+        else:
+            (k_flat, v_flat), same = self._buffers(numel, k_cache), False
+        if same and bucket.reuse:
+            # Last step's gather of the same blocks: only each sequence's newest block moved.
+            for flat, cache in ((k_flat, by_row[0]), (v_flat, by_row[1])):
+                fresh = cache.index_select(0, bucket.fresh_rows)
+                flat.view(rows).index_copy_(0, bucket.fresh_pos, fresh)
+        else:
+            torch.index_select(by_row[0], 0, bucket.head_rows, out=k_flat.view(rows))
+            torch.index_select(by_row[1], 0, bucket.head_rows, out=v_flat.view(rows))
         ks = k_flat.view(h_kv * b, num_slots, d)
         vs = v_flat.view(h_kv * b, num_slots, d)
         # (b, heads, d) -> (kv_heads * b, group, d): GQA as rows, no K/V expansion.

@@ -1,0 +1,85 @@
+"""Kept decode gathers: a decode step copies only each sequence's newest block into the K/V
+it gathered last step, and generates exactly what a fresh gather of every block does."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from actors import LLM, SamplingParams
+from actors.model_runner import _only_fresh_changed
+
+REUSE_ENV = "SERVE_APP_DECODE_GATHER_REUSE"
+
+
+def _run(path: str, monkeypatch, reuse: bool, **llm_options) -> tuple[dict, Counter]:
+    """Staggered arrivals (buckets change members), 4-token blocks (sequences cross block
+    boundaries every few steps), prompts that share a prefix, n=2 and seeded sampling."""
+    monkeypatch.setenv(REUSE_ENV, "1" if reuse else "0")
+    llm = LLM(model=path, block_size=4, **llm_options)
+    runner = llm.engine.executor.worker.runner
+    counts: Counter = Counter()
+    build = runner._decode_buckets
+
+    def counting(*args, **kwargs):
+        buckets = build(*args, **kwargs)
+        counts["buckets"] += len(buckets)
+        counts["reused"] += sum(b.reuse for b in buckets)
+        return buckets
+
+    monkeypatch.setattr(runner, "_decode_buckets", counting)
+    shared = list(range(300, 340))
+    prompts = [shared + [5, 6, 7], list(range(50, 58)), shared + [9], list(range(400, 470))]
+    prompts += [list(range(20 + i, 33 + 3 * i)) for i in range(6)]
+    engine = llm.engine
+    seen: dict[str, list] = {}
+    step = 0
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending and step % 3 == 0:
+            i, prompt = pending.pop(0)
+            params = SamplingParams(
+                max_tokens=12 + 5 * i,
+                temperature=0.8 if i % 3 == 1 else 0.0,
+                seed=i,
+                n=2 if i == 2 else 1,
+                logprobs=2,
+                ignore_eos=True,
+            )
+            engine.add_request(f"r{i}", prompt, params)
+        for out in engine.step():
+            for delta in out.deltas:
+                got = seen.setdefault(f"{out.request_id}/{delta.index}", [])
+                pairs = zip(delta.token_ids, delta.logprobs, strict=True)
+                got += [(t, lp.logprob, lp.top) for t, lp in pairs]
+        step += 1
+    return seen, counts
+
+
+@pytest.mark.parametrize(
+    ("options", "min_reused"),
+    # 48 blocks hold less than the prompts: requests wait and are preempted. Kept gathers
+    # may take a quarter of the cache's bytes, so there few buckets fit.
+    [({}, 0.5), ({"num_kv_blocks": 48}, 0.0)],
+    ids=["roomy", "preempting"],
+)
+def test_kept_gathers_generate_what_fresh_gathers_do(model_dirs, monkeypatch, options, min_reused):
+    path = str(model_dirs("llama"))
+    fresh, fresh_counts = _run(path, monkeypatch, False, **options)
+    kept, kept_counts = _run(path, monkeypatch, True, **options)
+    assert fresh_counts["reused"] == 0
+    assert kept_counts["reused"] >= min_reused * kept_counts["buckets"]
+    assert len(kept) == 11  # ten requests, one with two samples
+    assert kept == fresh  # same tokens, same logprobs, bit for bit
+
+
+def test_a_gather_is_reused_only_when_just_the_newest_blocks_moved():
+    before = (("a", "b"), 3, [7, 8, 0, 4, 0, 0])
+    # a's token lands in block 8 (position 1), b's crosses into a new block (position 4).
+    assert _only_fresh_changed(before, (("a", "b"), 3, [7, 8, 0, 4, 5, 0]), [1, 4])
+    # A block id changed outside the fresh positions (a table rewritten): gather again.
+    assert not _only_fresh_changed(before, (("a", "b"), 3, [9, 8, 0, 4, 5, 0]), [1, 4])
+    # Other members, another order, another width: gather again.
+    assert not _only_fresh_changed(before, (("b", "a"), 3, [7, 8, 0, 4, 5, 0]), [1, 4])
+    assert not _only_fresh_changed(before, (("a", "b"), 4, [7, 8, 0, 0, 4, 5, 0, 0]), [1, 5])
