@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -140,6 +141,9 @@ def plot(result: dict, path: str) -> None:
     if "cpu_linear" in result:
         names.insert(1, "ours, F.linear\n(no packing)")
         values.insert(1, result["cpu_linear"]["dense_tok_s"])
+    if "decode_gather" in result:
+        names.insert(1, "ours, fresh\ndecode gathers")
+        values.insert(1, result["decode_gather"]["fresh_tok_s"])
     ax.bar(names, values)
     ax.set_ylabel("useful output tokens/s")
     ax.set_title(f"{thr['num_requests']} mixed requests, bench checkpoint (CPU)")
@@ -166,6 +170,63 @@ def dense_linear(path: str, requests, packed_s: float) -> dict:
         "speedup": dense_s / packed_s,
         "dense_batch1_ms_per_token": decode,
     }
+
+
+def closed_loop_tok_s(llm: LLM, requests, streams: int) -> dict:
+    """`streams` requests in the engine at all times (a new one as each ends), as a server
+    at that concurrency sees them: output tokens/s and the share of decode buckets whose
+    gather was kept from the step before."""
+    engine = llm.engine
+    runner = engine.executor.worker.runner
+    counts = {"buckets": 0, "kept": 0}
+    build = runner._decode_buckets
+
+    def counting(*args, **kwargs):
+        buckets = build(*args, **kwargs)
+        counts["buckets"] += len(buckets)
+        counts["kept"] += sum(b.reuse for b in buckets)
+        return buckets
+
+    runner._decode_buckets = counting
+    queue = [(f"cl-{i}", ids, n) for i, (ids, n) in enumerate(requests)]
+    tokens = 0
+
+    def add() -> None:
+        rid, ids, n = queue.pop(0)
+        engine.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+
+    for _ in range(streams):
+        add()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += sum(len(d.token_ids) for d in out.deltas)
+            if out.finished and queue:
+                add()
+    elapsed = time.perf_counter() - start
+    del runner._decode_buckets
+    return {"tok_s": tokens / elapsed, "kept_share": counts["kept"] / max(1, counts["buckets"])}
+
+
+def decode_gathers(path: str, requests, stream_requests, kept_s: float) -> dict:
+    """Kept decode gathers (actors/layers/attention.py) against a fresh gather every step
+    (SERVE_APP_DECODE_GATHER_REUSE=0): the same offline requests, and 16 closed-loop streams
+    of 64 new tokens (prompts 64-256), each side on its own engine."""
+    out = {"kept_tok_s": sum(m for _, m in requests) / kept_s}
+    for name, env in (("kept", "1"), ("fresh", "0")):
+        os.environ["SERVE_APP_DECODE_GATHER_REUSE"] = env
+        try:
+            llm = LLM(model=path, max_model_len=1024)
+        finally:
+            del os.environ["SERVE_APP_DECODE_GATHER_REUSE"]
+        ours_offline(llm, requests[:4])  # warm-up
+        if name == "fresh":
+            out["fresh_tok_s"] = sum(m for _, m in requests) / ours_offline(llm, requests)
+        out[f"streams16_{name}"] = closed_loop_tok_s(llm, stream_requests, 16)
+        llm.shutdown()
+    out["speedup"] = out["kept_tok_s"] / out["fresh_tok_s"]
+    out["streams16_speedup"] = out["streams16_kept"]["tok_s"] / out["streams16_fresh"]["tok_s"]
+    return out
 
 
 def main() -> None:
@@ -205,6 +266,9 @@ def main() -> None:
     }
     llm.shutdown()
     result["cpu_linear"] = dense_linear(path, requests, ours_s)
+    streams = 16 if args.quick else 96
+    stream_requests = mixed_requests(streams, vocab, (64, 256), (64, 64), seed=2)
+    result["decode_gather"] = decode_gathers(path, requests, stream_requests, ours_s)
     if not args.skip_tp:
         result["tensor_parallel"] = tensor_parallel(path, requests[: max(8, n // 4)])
     write_json(result, args.out)
