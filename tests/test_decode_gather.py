@@ -59,8 +59,7 @@ def _run(path: str, monkeypatch, reuse: bool, **llm_options) -> tuple[dict, Coun
 
 @pytest.mark.parametrize(
     ("options", "min_reused"),
-    # 48 blocks hold less than the prompts: requests wait and are preempted. Kept gathers
-    # may take a quarter of the cache's bytes, so there few buckets fit.
+    # 48 blocks hold less than the prompts: requests wait and are preempted.
     [({}, 0.5), ({"num_kv_blocks": 48}, 0.0)],
     ids=["roomy", "preempting"],
 )
