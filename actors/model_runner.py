@@ -54,6 +54,8 @@ class ModelRunner:
         # of a kept gather, or None.
         self._gathered: list[tuple | None] = []
         self._gathering: list[tuple | None] = []
+        # Decode buckets built, and those served from the last step's gather.
+        self.gather_counts = {"buckets": 0, "kept": 0}
 
     # ------------------------------------------------------------------ KV cache
     @property
@@ -229,6 +231,8 @@ class ModelRunner:
             self._gathering.append(key)
             buckets.append(bucket)
         self.backend.retain({b.slot for b in buckets if b.persist})
+        self.gather_counts["buckets"] += len(buckets)
+        self.gather_counts["kept"] += sum(b.reuse for b in buckets)
         return buckets
 
 

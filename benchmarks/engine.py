@@ -177,17 +177,8 @@ def closed_loop_tok_s(llm: LLM, requests, streams: int) -> dict:
     at that concurrency sees them: output tokens/s and the share of decode buckets whose
     gather was kept from the step before."""
     engine = llm.engine
-    runner = engine.executor.worker.runner
-    counts = {"buckets": 0, "kept": 0}
-    build = runner._decode_buckets
-
-    def counting(*args, **kwargs):
-        buckets = build(*args, **kwargs)
-        counts["buckets"] += len(buckets)
-        counts["kept"] += sum(b.reuse for b in buckets)
-        return buckets
-
-    runner._decode_buckets = counting
+    counts = engine.executor.worker.runner.gather_counts
+    before = dict(counts)
     queue = [(f"cl-{i}", ids, n) for i, (ids, n) in enumerate(requests)]
     tokens = 0
 
@@ -204,8 +195,8 @@ def closed_loop_tok_s(llm: LLM, requests, streams: int) -> dict:
             if out.finished and queue:
                 add()
     elapsed = time.perf_counter() - start
-    del runner._decode_buckets
-    return {"tok_s": tokens / elapsed, "kept_share": counts["kept"] / max(1, counts["buckets"])}
+    kept, built = (counts[k] - before[k] for k in ("kept", "buckets"))
+    return {"tok_s": tokens / elapsed, "kept_share": kept / max(1, built)}
 
 
 def decode_gathers(path: str, requests, stream_requests, kept_s: float) -> dict:
