@@ -45,14 +45,6 @@ SOCKET_SNDBUF_BYTES = 32 * 1024
 WRITE_HIGH_WATER_BYTES = 32 * 1024
 
 
-def enable_in_environment() -> bool:
-    """Install the middleware for proxies started from this process's environment (a local
-    Ray started after this call). Returns whether the proxies will run it: an operator's own
-    callback is left in place, and then flow control is off."""
-    os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
-    return is_enabled()
-
-
 def is_enabled() -> bool:
     """Whether this node's proxy runs the middleware (its raylet gave it this environment)."""
     return os.environ.get(CALLBACK_ENV) == CALLBACK_PATH

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from serve_app import flow_board, proxy_flow
+from serve_app import flow_board, proxy_flow, ray_env
 from serve_app.flow_board import FlowBoard, FlowGate
 from serve_app.proxy_flow import FLOW_HEADER, ProxyFlowMiddleware, flow_header
 
@@ -181,5 +181,6 @@ def test_a_request_tracked_under_an_already_paused_key_is_paused_at_once(monkeyp
 @pytest.mark.parametrize("value", ["", "other.module:callback"])
 def test_an_operators_own_proxy_callback_is_kept_and_flow_is_then_off(monkeypatch, value):
     monkeypatch.setenv(proxy_flow.CALLBACK_ENV, value)
-    assert proxy_flow.enable_in_environment() is False
+    ray_env.prepare()  # what a local Ray's environment gets: the operator's value stays
+    assert proxy_flow.is_enabled() is False
     assert flow_board.board_name("m") == "flow:m"
