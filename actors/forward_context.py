@@ -41,11 +41,13 @@ class DecodeBucket:
     # (b, max_blocks * block_size) additive mask: 0 where attended, -inf elsewhere.
     mask: torch.Tensor
     # Persistent gather (see TorchPagedAttention): the bucket's buffers are kept per layer
-    # under `slot` when `persist`; `reuse` says they still hold last step's gather of these
-    # sequences' blocks, so only `fresh_pos` (positions in `head_rows`: each sequence's block
-    # that takes this step's token, per head) need copying, from cache rows `fresh_rows`.
+    # under `slot` when `persist`, holding what `key` (seq ids, max_blocks, block ids) names;
+    # `reuse` says they still hold last step's gather of these sequences' blocks, so only
+    # `fresh_pos` (positions in `head_rows`: each sequence's block that takes this step's
+    # token, per head) need copying, from cache rows `fresh_rows`.
     slot: int = 0
     persist: bool = False
+    key: tuple | None = None
     reuse: bool = False
     fresh_pos: torch.Tensor | None = None
     fresh_rows: torch.Tensor | None = None

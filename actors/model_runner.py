@@ -50,10 +50,8 @@ class ModelRunner:
         self.states: dict[str, SeqSamplingState] = {}
         self.keep_gathers = persistent_decode_gather(device)
         self.kept_gather_budget = 0
-        # Per bucket slot of the last step that completed: (seq ids, max_blocks, block ids)
-        # of a kept gather, or None.
+        # Per bucket slot of the last step that completed: the key of its kept gather, or None.
         self._gathered: list[tuple | None] = []
-        self._gathering: list[tuple | None] = []
         # Decode buckets built, and those served from the last step's gather.
         self.gather_counts = {"buckets": 0, "kept": 0}
 
@@ -102,7 +100,7 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self._prepare(step.items, previous)
         with set_forward_context(meta):
             hidden = self.model(input_ids, positions, self.kv_caches)
-        self._gathered = self._gathering
+        self._gathered = [bucket.key for bucket in meta.decode_buckets]
         logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
         if not self.is_driver:
             return None
@@ -177,7 +175,6 @@ class ModelRunner:
     def _decode_buckets(
         self, ctx: list[int], tables: list[list[int]], ids: list[str], previous: list
     ) -> list[DecodeBucket]:
-        self._gathering = []
         if not ctx:
             self.backend.retain(set())
             return []
@@ -214,13 +211,12 @@ class ModelRunner:
             )
             kept_bytes += len(flat) * self.bytes_per_block
             bucket.persist = self.keep_gathers and kept_bytes <= self.kept_gather_budget
-            key = None
             if bucket.persist:
                 # Each sequence's block that takes this step's token (its newest).
                 fresh = [j * max_blocks + (ctx[i] - 1) // bs for j, i in enumerate(group)]
-                key = (tuple(ids[i] for i in group), max_blocks, flat)
+                bucket.key = (tuple(ids[i] for i in group), max_blocks, flat)
                 before = previous[slot] if slot < len(previous) else None
-                if before is not None and _only_fresh_changed(before, key, fresh):
+                if before is not None and _only_fresh_changed(before, bucket.key, fresh):
                     heads = torch.arange(self.num_local_kv_heads, device=self.device)
                     pos = (
                         heads.unsqueeze(1) * len(flat) + torch.tensor(fresh, device=self.device)
@@ -228,7 +224,6 @@ class ModelRunner:
                     bucket.reuse = True
                     bucket.fresh_pos = pos
                     bucket.fresh_rows = bucket.head_rows.index_select(0, pos)
-            self._gathering.append(key)
             buckets.append(bucket)
         self.backend.retain({b.slot for b in buckets if b.persist})
         self.gather_counts["buckets"] += len(buckets)
