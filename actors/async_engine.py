@@ -52,7 +52,13 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         self.num_fenced_outputs = 0
+        # Fenced outputs of steps that began after their consumer left: the engine's own
+        # lag in honouring a cancel. (The rest were computed before it and still queued to
+        # the event loop when it came.)
+        self.num_outputs_after_cancel = 0
         self.num_slow_consumer_cancels = 0
+        # Steps begun by the step thread; outputs are posted with the number of their step.
+        self._steps_begun = 0
         self._booted = threading.Event()
         self._boot_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -110,6 +116,7 @@ class AsyncEngine:
             self._cancel_timer(stream)
             if stream.phase is not Phase.FINISHED:
                 stream.phase = Phase.CANCELLING
+                stream.closed_at_step = self._steps_begun
                 self._submit(lambda core: core.abort(core_id))
 
     def _add_command(
@@ -137,7 +144,7 @@ class AsyncEngine:
                 code = exc.code if isinstance(exc, RequestRejected) else "internal_error"
                 failed = RequestOutput(core_id, prompt_token_ids, [], 0, True, error=str(exc))
                 failed.error_code = code
-                self._post([failed])
+                self._post([failed], self._steps_begun)
 
         return add
 
@@ -200,7 +207,7 @@ class AsyncEngine:
             return
         self._submit(lambda core: core.set_constraints(core_id, constraints))
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], step: int) -> None:
         for out in outputs:
             core_id = out.request_id
             stream = self._streams.get(core_id)
@@ -211,6 +218,8 @@ class AsyncEngine:
                     del self._streams[core_id]
                 elif not out.finished:
                     self.num_fenced_outputs += 1
+                    if stream is not None and step > stream.closed_at_step:
+                        self.num_outputs_after_cancel += 1
                 continue
             out.request_id, out.attempt = stream.request_id, stream.attempt
             if stream.push(out):
@@ -241,6 +250,7 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            self._steps_begun += 1
             try:
                 outputs = self.core.step()
             except Exception:
@@ -248,11 +258,11 @@ class AsyncEngine:
                 outputs = self.core.fail_all("internal engine error")
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-            self._post(outputs)
+            self._post(outputs, self._steps_begun)
 
-    def _post(self, outputs: list[RequestOutput]) -> None:
+    def _post(self, outputs: list[RequestOutput], step: int) -> None:
         if outputs and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+            self._loop.call_soon_threadsafe(self._deliver, outputs, step)
 
     def _drain_commands(self) -> None:
         while True:
@@ -273,6 +283,7 @@ class AsyncEngine:
             "live_requests": len(self._streams),
             "cancelling": phases.count(Phase.CANCELLING),
             "fenced_outputs": self.num_fenced_outputs,
+            "outputs_after_cancel": self.num_outputs_after_cancel,
             "slow_consumer_cancels": self.num_slow_consumer_cancels,
         }
 

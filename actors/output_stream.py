@@ -47,6 +47,8 @@ class OutputStream:
         # The reader's own transport stopped taking outputs (a client that stopped reading):
         # nothing is handed out until it resumes, except the end.
         self.reader_paused = False
+        # The step thread's count of steps begun when the consumer left (CANCELLING).
+        self.closed_at_step = 0
 
     @property
     def is_open(self) -> bool:

@@ -61,7 +61,7 @@ class AdmissionMiddleware:
         state[LIMITER_STATE_KEY] = self.limiter
         token = self.limiter.start()
         try:
-            await self.app(scope, capped_receive(receive, cap), send)
+            await self.app(scope, capped_receive(receive, cap), self.limiter.settling(send))
         finally:
             self.limiter.finish(token)
 

@@ -10,13 +10,14 @@ failure, so nothing stays reserved after the request is gone.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +27,16 @@ from serve_app.named_actors import get_or_create
 
 logger = logging.getLogger(__name__)
 
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
 LEDGER_NAMESPACE = "serve-app"
 WINDOW_S = 60.0
 # A reservation whose ingress replica died without settling frees itself after this long.
 DEFAULT_LEASE_S = 3600.0
 CONCURRENCY_RETRY_AFTER_S = 1.0
+# How long a response's last bytes wait for the ledger to record its settlement; past it
+# they go out and the settlement lands when the ledger answers.
+SETTLE_WAIT_S = 5.0
 # The 429 code of each budget.
 LIMIT_CODES = {
     "max_concurrent_requests": "concurrency_limit",
@@ -260,19 +266,35 @@ class Limiter:
     def start(self) -> contextvars.Token:
         return _METER.set(Meter())
 
+    def settling(self, send: Send) -> Send:
+        """`send`, settling the request's reservation before the response's last bytes go
+        out and waiting for the ledger to record it: a client that holds the whole answer
+        finds it in the key's usage, as does its next request on any replica."""
+        meter = _METER.get()
+
+        async def send_settled(message: MutableMapping[str, Any]) -> None:
+            if (
+                meter is not None
+                and meter.reservation_id is not None
+                and message["type"] == "http.response.body"
+                and not message.get("more_body", False)
+            ):
+                reservation_id, meter.reservation_id = meter.reservation_id, None
+                # Submitted before the await: a cancellation here still settles it.
+                settled = self._settle(meter.key_id, reservation_id, meter.charged_tokens)
+                if settled is not None:
+                    await asyncio.wait([asyncio.ensure_future(settled)], timeout=SETTLE_WAIT_S)
+            await send(message)
+
+        return send_settled
+
     def finish(self, token: contextvars.Token) -> None:
-        """Settle the request's reservation (fire and forget: safe inside a cancellation)."""
+        """Settle the request's reservation if the response did not (a client that left, an
+        error): fire and forget, so it is safe inside a cancellation."""
         meter = _METER.get()
         _METER.reset(token)
-        if meter is None or meter.reservation_id is None:
-            return
-        try:
-            self._get_ledger().settle.remote(
-                meter.key_id, meter.reservation_id, meter.charged_tokens
-            )
-        except Exception:  # noqa: BLE001 (a lost ledger forgets its reservations anyway)
-            logger.warning("could not settle a reservation: ledger unavailable")
-            self._ledger = None
+        if meter is not None and meter.reservation_id is not None:
+            self._settle(meter.key_id, meter.reservation_id, meter.charged_tokens)
 
     async def reserve(self, principal: Principal, prompt_tokens: int, max_new_tokens: int) -> None:
         """Admit against the key's budgets or raise 429 naming the limit."""
@@ -303,11 +325,16 @@ class Limiter:
 
     def settle_detached(self, key_id: str, reservation_id: str, tokens: int) -> None:
         """Settle a `reserve_detached` reservation to its measured tokens (fire and forget)."""
+        self._settle(key_id, reservation_id, tokens)
+
+    def _settle(self, key_id: str | None, reservation_id: str, tokens: int) -> Any:
+        """Submit the settlement; its ObjectRef, or None when the ledger is unreachable."""
         try:
-            self._get_ledger().settle.remote(key_id, reservation_id, tokens)
+            return self._get_ledger().settle.remote(key_id, reservation_id, tokens)
         except Exception:  # noqa: BLE001 (a lost ledger forgets its reservations anyway)
             logger.warning("could not settle a reservation: ledger unavailable")
             self._ledger = None
+            return None
 
     async def _reserve_once(self, principal: Principal, tokens: int) -> Verdict:
         limits = principal.limits

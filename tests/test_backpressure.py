@@ -162,11 +162,31 @@ def test_a_consumer_that_leaves_is_cancelled_within_one_step(llm):
         await wait_for(lambda: engine.stats()["live_requests"] == 0)
         stats = engine.stats()
         # Each consumer left with the engine at most one step ahead of it.
-        assert stats["fenced_outputs"] <= len(stops)
+        assert stats["outputs_after_cancel"] <= len(stops)
+        assert stats["outputs_after_cancel"] <= stats["fenced_outputs"]
         assert stats["kv_blocks_used"] == baseline
         assert stats["running"] == stats["waiting"] == stats["held"] == 0
 
     run_with_engine(llm, scenario)
+
+
+def test_outputs_queued_to_a_busy_loop_are_fenced_but_not_counted_as_after_the_cancel(llm):
+    async def scenario(engine: AsyncEngine) -> None:
+        gen = engine.generate("lagged", PROMPT, LONG)
+        await read(gen, [], 1)
+        begun = engine._steps_begun
+        # The event loop is busy elsewhere: the step thread's outputs wait in its queue.
+        time.sleep(0.3)
+        queued = engine._steps_begun - begun
+        await gen.aclose()  # the consumer leaves before the loop hands any of them out
+        await wait_for(lambda: engine.stats()["live_requests"] == 0)
+        stats = engine.stats()
+        # Every output computed while the loop was busy is dropped by the fence ...
+        assert stats["fenced_outputs"] >= queued - 1 >= 3
+        # ... but the engine itself ran at most one step after the cancel.
+        assert stats["outputs_after_cancel"] <= 1
+
+    run_with_engine(llm, scenario, step_delay_s=0.02)
 
 
 def test_a_new_attempt_never_sees_the_closed_attempts_outputs(llm):

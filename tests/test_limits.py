@@ -173,6 +173,29 @@ class FakeLedgerHandle:
         self.reserve, self.settle = Method("reserve"), Method("settle")
 
 
+class SlowLedgerHandle(FakeLedgerHandle):
+    """Settlements reach the ledger a while after they are sent, as over a real actor."""
+
+    def __init__(self, ledger: UsageLedger, delay_s: float) -> None:
+        super().__init__(ledger)
+        fast_settle = self.settle
+
+        class Settle:
+            def remote(self, *args: Any) -> Any:
+                loop = asyncio.get_running_loop()
+                future = loop.create_future()
+
+                def land() -> None:
+                    fast_settle.remote(*args).add_done_callback(
+                        lambda done: future.set_result(done.result())
+                    )
+
+                loop.call_later(delay_s, land)
+                return future
+
+        self.settle = Settle()
+
+
 def limiter_on(ledger: UsageLedger) -> Limiter:
     limiter = Limiter("test")
     limiter._ledger = FakeLedgerHandle(ledger)
@@ -202,6 +225,35 @@ def test_limiter_settles_measured_usage_or_the_prompt_when_the_request_died():
         asyncio.run(request(None, fail=True))
     # Cancelled before a measurement: charged its prompt, and the slot is free again.
     assert ledger.usage("k") == {"live_requests": 0, "reserved_tokens": 0, "spent_tokens": 75}
+
+
+def test_a_response_ends_only_once_the_ledger_has_its_settlement():
+    ledger = UsageLedger(clock=Clock())
+    limiter = Limiter("test")
+    limiter._ledger = SlowLedgerHandle(ledger, delay_s=0.05)
+    key = principal(tokens_per_minute=10_000)
+    seen: list[tuple[bool, dict]] = []
+
+    async def client_side(message: dict) -> None:
+        seen.append((message.get("more_body", False), ledger.usage("k")))
+
+    async def request() -> None:
+        token = limiter.start()
+        try:
+            send = limiter.settling(client_side)
+            await limiter.reserve(key, prompt_tokens=30, max_new_tokens=100)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{", "more_body": True})
+            record_usage(41)
+            await send({"type": "http.response.body", "body": b"}", "more_body": False})
+        finally:
+            limiter.finish(token)
+
+    asyncio.run(request())
+    reserved = {"live_requests": 1, "reserved_tokens": 130, "spent_tokens": 0}
+    assert [usage for _, usage in seen[:2]] == [reserved, reserved]
+    # The last bytes went out after the ledger recorded the measured usage, not before.
+    assert seen[2] == (False, {"live_requests": 0, "reserved_tokens": 0, "spent_tokens": 41})
 
 
 def test_limiter_refuses_with_429_naming_the_limit_and_skips_keys_without_budgets():
