@@ -104,9 +104,11 @@ def job(ray_session, model, tmp_path_factory) -> dict:
     _write(root / "in" / "more" / "tokens.parquet", TOKEN_ROWS)
     (root / "in" / "_SUCCESS").write_text("")  # a writer's marker, not data
     out = root / "out"
+    readers_before = _footer_readers_started()
     summary = run_batch(
         first, out, model=model, defaults=BatchDefaults(max_tokens=FIRST_MAX_TOKENS, temperature=0)
     )
+    footer_readers = _footer_readers_started() - readers_before
     before = _read(out)
     files_before = {p.name for p in out.glob("*.parquet")}
     (path,) = [
@@ -128,8 +130,21 @@ def job(ray_session, model, tmp_path_factory) -> dict:
     assert code == 0
     return {
         "root": root, "out": out, "first_summary": summary, "before": before,
-        "files_before": files_before, "after": _read(out),
+        "files_before": files_before, "after": _read(out), "footer_readers": footer_readers,
     }  # fmt: skip
+
+
+def _footer_readers_started() -> int:
+    """Actors Ray Data's Parquet reader has started to read file footers (dead ones too)."""
+    from ray._private import state
+
+    return sum(a["ActorClassName"] == "FooterReader" for a in state.actors().values())
+
+
+@pytest.mark.ray
+def test_a_one_file_job_starts_one_footer_reader_not_a_pool_of_processes(job):
+    # Each is a worker process: Ray Data's default pool of 32 cost a small job seconds.
+    assert job["footer_readers"] <= 1
 
 
 @pytest.mark.ray
