@@ -81,16 +81,20 @@ class TorchPagedAttention(AttentionBackend):
         else:
             ks = k_cache.index_select(1, p.block_table).view(h_kv, -1, d)[:, : p.ctx_len]
             vs = v_cache.index_select(1, p.block_table).view(h_kv, -1, d)[:, : p.ctx_len]
+        # Batched (4-D) inputs: with 3-D ones torch takes its math path, which builds the
+        # whole score matrix; 4-D ones reach the fused kernels (flash on CPU). Measured on
+        # 2 cores, 8 heads over 4 KV heads: 2.0 -> 0.76 ms at 213 tokens, 49 -> 10.5 ms at
+        # 1,024, 16 -> 9.8 ms for a 512-token chunk after 512 cached (fp32; bf16 alike).
         o = F.scaled_dot_product_attention(
-            qs,
-            ks,
-            vs,
+            qs.unsqueeze(0),
+            ks.unsqueeze(0),
+            vs.unsqueeze(0),
             attn_mask=p.mask,
             is_causal=p.mask is None,
             scale=self.scale,
             enable_gqa=self.group > 1,
         )
-        return o.transpose(0, 1).reshape(p.q_len, -1)
+        return o[0].transpose(0, 1).reshape(p.q_len, -1)
 
     def _buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._k_buf is None or self._k_buf.numel() < numel or self._k_buf.device != like.device:
