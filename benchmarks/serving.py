@@ -203,7 +203,9 @@ def main() -> None:
         sweep = []
         for c in levels:
             sweep.append(asyncio.run(http_level(url, model, reqs[: max(2 * c, 8)], c)))
-        at16 = reqs[:32]
+        # Prompts no earlier level sent: what the sweep left in the prefix cache would
+        # otherwise spare the HTTP side prefill work that the direct engine (cold) does.
+        at16 = mixed_requests(32, 2048, (64, 256), (args.max_tokens,) * 2, seed=16)
         plain16 = asyncio.run(http_level(url, model, at16, 16))
         schema_extra = {
             "response_format": {
@@ -212,7 +214,8 @@ def main() -> None:
             },
             "ignore_eos": False,
         }
-        constrained16 = asyncio.run(http_level(url, model, at16, 16, schema_extra))
+        fresh16 = mixed_requests(32, 2048, (64, 256), (args.max_tokens,) * 2, seed=17)
+        constrained16 = asyncio.run(http_level(url, model, fresh16, 16, schema_extra))
         compile_times = grammar_compile_times(url, model)
     finally:
         stop()
