@@ -15,7 +15,6 @@ import pytest
 
 from serve_app.batch import BatchDefaults, BatchInputError, run_batch
 from serve_app.batch_io import OUTPUT_SCHEMA, OutputDir, compact, scan_results
-from serve_app.batch_rows import RowError, grammar_spec, sampling_params
 from serve_app.cli import main
 
 SCHEMA = {
@@ -355,52 +354,3 @@ def test_an_engine_failure_fails_its_rows_as_transient_and_the_next_batch_recove
         assert rows["a"]["status"] == "incomplete" and rows["a"]["completion_tokens"] == 4
     finally:
         engine.llm.shutdown()
-
-
-# ------------------------------------------------------------------- row parsing
-
-
-@pytest.mark.parametrize(
-    ("raw", "kind"),
-    [
-        (None, None),
-        (json.dumps({"type": "text"}), None),
-        (json.dumps({"type": "json_object"}), "json_object"),
-        (json.dumps(OPENAI_FORMAT), "json_schema"),
-        (json.dumps({"json_schema": SCHEMA}), "json_schema"),
-        (json.dumps({"regex": "[a-z]+"}), "regex"),
-        (json.dumps({"choice": ["b", "a", "b"]}), "choice"),
-        (json.dumps({"grammar": 'root ::= "x"'}), "ebnf"),
-    ],
-)
-def test_response_format_shapes(raw, kind):
-    spec = grammar_spec(raw)
-    assert (spec.kind if spec else None) == kind
-    if kind == "choice":
-        assert spec.spec == '["a","b"]'
-
-
-@pytest.mark.parametrize(
-    ("raw", "code"),
-    [
-        ("{oops", "invalid_request"),
-        (json.dumps({"regex": "a", "choice": ["a"]}), "invalid_request"),
-        (json.dumps({"type": "json_schema"}), "invalid_request"),
-        (json.dumps({"choice": []}), "invalid_grammar"),
-    ],
-)
-def test_bad_response_formats(raw, code):
-    with pytest.raises(RowError) as info:
-        grammar_spec(raw)
-    assert info.value.code == code
-
-
-def test_default_max_tokens_is_capped_by_the_context_but_a_row_value_is_not():
-    defaults = BatchDefaults(max_tokens=100)
-    assert sampling_params({}, defaults, 90, 128).max_tokens == 38
-    assert sampling_params({"max_tokens": 20.0}, defaults, 90, 128).max_tokens == 20
-    with pytest.raises(RowError) as info:
-        sampling_params({"max_tokens": 50}, defaults, 90, 128)
-    assert info.value.code == "max_tokens_exceeded"
-    params = sampling_params({"temperature": float("nan"), "stop": "x"}, defaults, 1, 128)
-    assert params.temperature == 1.0 and params.stop == ("x",)
