@@ -84,5 +84,7 @@ class ConversationsAPI:
 
 def not_found(conversation_id: str) -> errors.APIError:
     return errors.not_found(
-        "conversation_not_found", f"No conversation '{conversation_id}'.", "conversation_id"
+        "conversation_not_found",
+        f"No conversation '{errors.echo(conversation_id)}'.",
+        "conversation_id",
     )

@@ -23,7 +23,9 @@ HTTP status (OpenAI's names where OpenAI has one); `code` names the exact cause.
 |        |                         |                               | generation_not_found,        |
 |        |                         |                               | conversation_not_found,      |
 |        |                         |                               | profile_not_found,           |
-|        |                         |                               | request_not_found (admin)    |
+|        |                         |                               | request_not_found (admin),   |
+|        |                         |                               | not_found (unknown route)    |
+| 405    | invalid_request_error   | fix the method                | method_not_allowed (+ Allow) |
 | 409    | conflict_error          | stop retrying this id         | request_id_in_use,           |
 |        |                         |                               | idempotency_key_reused,      |
 |        |                         |                               | stale_revision               |
@@ -38,12 +40,17 @@ HTTP status (OpenAI's names where OpenAI has one); `code` names the exact cause.
 
 Retry headers: the official `openai` client retries 408/409/429/5xx on its own unless told
 `x-should-retry: false`. So every 4xx and every non-repeatable 500 says `false`; 429 and 503
-say `true` and carry `Retry-After` (whole seconds, at least 1).
+say `true` and carry `Retry-After` (whole seconds, at least 1). A 401 names its scheme in
+`WWW-Authenticate: Bearer`.
+
+An APIError crosses Ray (a deployment or actor raising it to its caller) whole: it pickles
+with every field, and `api_error_in` finds it inside Ray's wrappers.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -54,6 +61,7 @@ ERROR_TYPES: dict[int, str] = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -63,6 +71,8 @@ ERROR_TYPES: dict[int, str] = {
 }
 
 NO_RETRY = {"x-should-retry": "false"}
+# Client text echoed in a message (a model name, a path) is cut to this many characters.
+MAX_ECHO_CHARS = 256
 
 
 class APIError(Exception):
@@ -86,6 +96,11 @@ class APIError(Exception):
         self.type = type or ERROR_TYPES.get(status, "server_error")
         self.headers = dict(headers) if headers is not None else _default_headers(status)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # NOTE: Exception pickles as `cls(*self.args)`, and args is (message,) only: Ray
+        # could not rebuild the error on the caller's side, which then saw a plain 500.
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
+
     def body(self) -> dict[str, Any]:
         return {
             "error": {
@@ -105,6 +120,36 @@ class APIError(Exception):
 
     def __repr__(self) -> str:
         return f"APIError({self.status}, {self.code!r}, {self.message!r}, param={self.param!r})"
+
+
+def _rebuild(cls: type[APIError], message: str, state: dict[str, Any]) -> APIError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
+
+def api_error_in(exc: BaseException) -> APIError | None:
+    """The APIError an exception is or carries: Ray re-raises a remote one as
+    `RayTaskError(APIError)` (an instance of both, the original as `.cause`), possibly
+    wrapped again at every hop; plain chaining (`raise ... from`) is followed too."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        cause = getattr(current, "cause", None)
+        if isinstance(current, APIError):
+            # A dual instance reads its fields from `.cause`; hand out the original.
+            return cause if isinstance(cause, APIError) else current
+        current = cause if isinstance(cause, BaseException) else current.__cause__
+    return None
+
+
+def echo(text: str) -> str:
+    """Client text as it may appear in an error message: at most MAX_ECHO_CHARS."""
+    if len(text) <= MAX_ECHO_CHARS:
+        return text
+    return text[:MAX_ECHO_CHARS] + f"... ({len(text)} characters)"
 
 
 def _default_headers(status: int) -> dict[str, str]:
@@ -176,8 +221,12 @@ def _check_too_large_status(status: int) -> None:
 # ------------------------------------------------------------------------- 401 - 413
 
 
+# A 401 names the scheme it wants (RFC 9110), on the public and the admin port alike.
+BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
 def invalid_api_key(message: str = "Invalid or missing API key.") -> APIError:
-    return APIError(401, "invalid_api_key", message)
+    return APIError(401, "invalid_api_key", message, headers={**NO_RETRY, **BEARER_CHALLENGE})
 
 
 def permission_denied(code: str, message: str) -> APIError:
@@ -186,6 +235,17 @@ def permission_denied(code: str, message: str) -> APIError:
 
 def not_found(code: str, message: str, param: str | None = None) -> APIError:
     return APIError(404, code, message, param=param)
+
+
+def route_not_found(path: str) -> APIError:
+    return APIError(404, "not_found", f"No route {echo(path)!r} on this server.")
+
+
+def method_not_allowed(method: str, path: str, allowed: list[str]) -> APIError:
+    """405 with the `Allow` header listing the methods the route takes."""
+    headers = {**NO_RETRY, "Allow": ", ".join(allowed)}
+    message = f"{echo(method)} is not allowed on {echo(path)!r}; use {', '.join(allowed)}."
+    return APIError(405, "method_not_allowed", message, headers=headers)
 
 
 def conflict(code: str, message: str) -> APIError:
@@ -219,6 +279,66 @@ def internal_error(message: str = "Internal error.", retryable: bool = False) ->
     # effect recorded); default to "do not repeat", which never duplicates work.
     headers = {"x-should-retry": "true" if retryable else "false"}
     return APIError(500, "internal_error", message, headers=headers)
+
+
+# ------------------------------------------------------------- Starlette apps
+
+
+def of_exception(
+    exc: BaseException, method: str, path: str, allowed: list[str] | None = None
+) -> APIError:
+    """What a route's exception answers: its APIError (unwrapped from Ray's wrappers), the
+    router's 404 / 405 in the error shape (`allowed`: every method the path takes), or a 500
+    `internal_error` (never plain text)."""
+    from starlette.exceptions import HTTPException
+
+    found = api_error_in(exc)
+    if found is not None:
+        return found
+    if isinstance(exc, HTTPException):
+        if exc.status_code == 404:
+            return route_not_found(path)
+        if exc.status_code == 405:
+            if not allowed:
+                allow = (exc.headers or {}).get("Allow", "")
+                allowed = [m.strip() for m in allow.split(",") if m.strip()]
+            return method_not_allowed(method, path, allowed)
+        code = "invalid_request" if exc.status_code < 500 else "internal_error"
+        return APIError(exc.status_code, code, str(exc.detail))
+    return internal_error()
+
+
+OnError = Callable[[Any, APIError, BaseException], None]
+
+
+def exception_handlers(on_error: OnError | None = None) -> dict[Any, Any]:
+    """Starlette `exception_handlers` that answer every failure in the error shape;
+    `on_error(request, error, exc)` sees each one first (metrics, logs)."""
+    from starlette.exceptions import HTTPException
+
+    async def handle(request: Any, exc: Exception) -> JSONResponse:
+        allowed = _allowed_methods(request) if isinstance(exc, HTTPException) else None
+        error = of_exception(exc, request.method, request.url.path, allowed)
+        if on_error is not None:
+            on_error(request, error, exc)
+        return error.response()
+
+    # NOTE: Starlette hands `Exception` to its outermost middleware, which answers with this
+    # handler and then re-raises (the server logs the traceback).
+    return {APIError: handle, HTTPException: handle, Exception: handle}
+
+
+def _allowed_methods(request: Any) -> list[str]:
+    """Every method some route takes at this path: Starlette's own 405 names only the first
+    route's, and a path may have one route per method."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in getattr(request.app, "routes", ()):
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 # ------------------------------------------------------------- /v1/server_info data
@@ -268,6 +388,22 @@ TAXONOMY: list[dict[str, Any]] = [
             "profile_not_found",
             "request_not_found",
         ],
+    },
+    {
+        "class": "unknown_route",
+        "status": [404],
+        "type": ERROR_TYPES[404],
+        "client_action": "fix the URL",
+        "should_retry": False,
+        "codes": ["not_found"],
+    },
+    {
+        "class": "wrong_method",
+        "status": [405],
+        "type": ERROR_TYPES[405],
+        "client_action": "use a method the Allow header lists",
+        "should_retry": False,
+        "codes": ["method_not_allowed"],
     },
     {
         "class": "conflict",

@@ -86,6 +86,8 @@ def settle_structured(text: str, output_format: str, schema: dict[str, Any]) -> 
         value = json.loads(text)
     except ValueError:
         return failed("invalid_output", "the model's output is not valid JSON")
+    except RecursionError:  # a json_object output may nest deeper than Python recurses
+        return failed("invalid_output", "the model's output nests too deeply to check")
     if isinstance(value, dict) and set(value) == {"refusal"} and isinstance(value["refusal"], str):
         return Outcome("refused", "refusal", [])
     try:
@@ -94,6 +96,8 @@ def settle_structured(text: str, output_format: str, schema: dict[str, Any]) -> 
         return failed(
             "invalid_output", f"the output does not match '{output_format}': {exc.message}"
         )
+    except RecursionError:
+        return failed("invalid_output", "the model's output nests too deeply to check")
     block = {"type": "json", "format": output_format, "json": value}
     return Outcome("completed", "stop", [block], reply_text=json.dumps(value))
 

@@ -196,5 +196,5 @@ class GenerationsAPI:
 
 def not_found(generation_id: str) -> errors.APIError:
     return errors.not_found(
-        "generation_not_found", f"No generation '{generation_id}'.", "generation_id"
+        "generation_not_found", f"No generation '{errors.echo(generation_id)}'.", "generation_id"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -11,19 +12,34 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serve_app import errors, ray_env
-from serve_app.admin import find_registry
+from serve_app import errors, proxy_flow, ray_env
+from serve_app.access.proxy_keys import register_keys, unregister_keys
 from serve_app.auth import principal_of
 from serve_app.auth_middleware import admission_middleware
 from serve_app.config import ServeConfig
 from serve_app.generations_api import GenerationsAPI
 from serve_app.metrics import record_outcome
 from serve_app.openai_api import OpenAIHandlers
+from serve_app.openapi.public import openapi_route
+from serve_app.protocol.schema_limits import SchemaLimits, configure_schema_limits
 from serve_app.server_info import server_info
 
+logger = logging.getLogger(__name__)
+
 DRAIN_CHECK_PERIOD_S = 0.5
+# The admin deployment answers the draining flag within this, or the last answer stands.
+DRAIN_CHECK_TIMEOUT_S = 1.0
 # /health is green only when an engine replica answers within this.
 HEALTH_ENGINE_TIMEOUT_S = 5.0
+
+
+def metric_endpoint(route: Any) -> str:
+    """`completions`, `generations`, `cancel`, ...: a route template's last literal part."""
+    path = getattr(route, "path", None)
+    if not path:
+        return "unrouted"
+    literal = [part for part in path.split("/") if part and not part.startswith("{")]
+    return literal[-1] if literal else "unrouted"
 
 
 class Ingress:
@@ -34,10 +50,14 @@ class Ingress:
         grammar_handle: Any,
         engine_handle: Any,
         identity: dict[str, Any],
+        admin_handle: Any = None,
     ):
         self.config = config
         self.identity = identity
         self.created = int(time.time())
+        # Request validators (no config of their own) bound schemas by this server's limits.
+        grammar = config.grammar
+        configure_schema_limits(SchemaLimits(grammar.max_schema_depth, grammar.max_schema_nodes))
         # Handles arrive with the options of the process that built the graph; the data
         # plane is this replica's (its node's `ray start` environment, serve_app/ray_env.py).
         by_reference = not ray_env.grpc_data_plane()
@@ -53,19 +73,29 @@ class Ingress:
             config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit
         )
         self._engine = engine_handle
-        self._registry = None
+        # Serve's proxy answers /-/routes itself: it checks keys against what this registers.
+        self._keys_owner = register_keys(config.api_keys)
+        # Bound here so that Serve deploys the admin API with the app; it holds the flag.
+        self._admin = admin_handle
         self._drain_checked_at = 0.0
         self._draining = False
+        # This replica's environment is the head raylet's, as the proxy's is.
+        if not proxy_flow.is_enabled():
+            logger.warning(proxy_flow.MISSING_HOOK_WARNING)
+
+    def __del__(self) -> None:
+        unregister_keys(getattr(self, "_keys_owner", None))
 
     async def admit(self) -> None:
         """Refuse new work while draining (the flag is read at most twice a second)."""
         now = time.monotonic()
-        if now - self._drain_checked_at > DRAIN_CHECK_PERIOD_S:
+        if self._admin is not None and now - self._drain_checked_at > DRAIN_CHECK_PERIOD_S:
             self._drain_checked_at = now
-            if self._registry is None:
-                self._registry = find_registry(self.config.model_id)
-            if self._registry is not None:
-                self._draining = await self._registry.is_draining.remote()
+            try:
+                flag = self._admin.is_draining.remote()
+                self._draining = await asyncio.wait_for(flag, DRAIN_CHECK_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 (admin replica restarting: keep the last)
+                logger.info("draining flag unavailable (%s)", type(exc).__name__)
         if self._draining:
             raise errors.overloaded(
                 "The server is draining: in-flight requests finish, new ones go elsewhere.",
@@ -73,22 +103,26 @@ class Ingress:
             )
 
     def __serve_build_asgi_app__(self) -> Starlette:
-        async def on_api_error(request: Request, exc: Exception) -> Response:
-            assert isinstance(exc, errors.APIError)
-            endpoint = request.url.path.rsplit("/", 1)[-1]
-            record_outcome(endpoint, "error", exc.code)
-            return exc.response()
+        def on_error(request: Request, error: errors.APIError, exc: BaseException) -> None:
+            # The matched route's template, never the client's path (ids are no metric
+            # label, and Ray's metrics refuse non-ASCII label values).
+            endpoint = metric_endpoint(request.scope.get("route"))
+            record_outcome(endpoint, "error", error.code)
+            if error.status >= 500 and errors.api_error_in(exc) is None:
+                logger.error("unhandled %s on %s", type(exc).__name__, endpoint)
 
         return Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/server_info", self.server_info, methods=["GET"]),
+                openapi_route(self.config),
                 Route("/v1/chat/completions", self.openai.chat, methods=["POST"]),
                 Route("/v1/completions", self.openai.completions, methods=["POST"]),
                 *self.generations.routes(),
             ],
-            exception_handlers={errors.APIError: on_api_error},
+            # Every failure, the router's 404 / 405 included, in the one error shape.
+            exception_handlers=errors.exception_handlers(on_error),
             # Authentication and the body cap come before any route runs.
             middleware=[admission_middleware(self.config)],
         )

@@ -115,7 +115,7 @@ class OpenAIHandlers:
         req = parse_request(kind, body)
         if req.model != self.config.model_id:
             raise errors.not_found(
-                "model_not_found", f"The model '{req.model}' does not exist.", "model"
+                "model_not_found", f"The model '{errors.echo(req.model)}' does not exist.", "model"
             )
         return req
 
@@ -138,6 +138,8 @@ class OpenAIHandlers:
             for gen in streams:
                 gen.cancel()
             raise
+        # The prompt's logprobs ride on each prompt's first output.
+        job.formatter.prompt_logprobs = [first.prompt_logprobs for first in firsts]
         merged = self._merge(streams, firsts, job)
         if job.req.stream:
             return StreamingResponse(
@@ -153,6 +155,8 @@ class OpenAIHandlers:
         """The first output decides the status: a grammar that failed is a 400 here."""
         try:
             out = await gen.__anext__()
+        except errors.APIError as exc:  # the engine deployment's own (Ray wraps it: unwrap)
+            raise errors.api_error_in(exc) or exc from None
         except ValueError as exc:
             raise errors.invalid_request(str(exc), "prompt") from exc
         except Exception as exc:
@@ -160,6 +164,11 @@ class OpenAIHandlers:
             raise errors.internal_error("The engine is unavailable.", retryable=True) from exc
         if out.error_code == "invalid_grammar":
             raise errors.invalid_grammar(out.error or "grammar failed", job.req.grammar_param())
+        if out.error_code == "overloaded":  # the grammar compilers are saturated
+            raise errors.overloaded(out.error or "grammar compilation is overloaded", 1.0)
+        if out.error_code == "request_limit_exceeded":
+            message = f"Invalid grammar: {out.error}"
+            raise errors.APIError(400, out.error_code, message, param=job.req.grammar_param())
         if out.error_code == "deadline_too_short":
             raise errors.deadline_too_short(out.error or "deadline too short")
         if out.error_code == "deadline_unmeetable":

@@ -33,6 +33,12 @@ logger = logging.getLogger(__name__)
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK_PATH = "serve_app.proxy_flow.proxy_middlewares"
 FLOW_HEADER = "x-serve-app-flow"
+# Logged once per deploy (by the ingress; by `serve-app serve` too) where the head lacks it.
+MISSING_HOOK_WARNING = (
+    f"Serve's proxy runs without our hook ({CALLBACK_ENV} is not {CALLBACK_PATH} in the "
+    "head's `ray start` environment): a client that stops reading is held only when its "
+    "engine window fills, and /-/routes answers without a key check (docs/deploy.md)"
+)
 _FLOW_HEADER_BYTES = FLOW_HEADER.encode()
 # A body write that has not returned after this long found the client's socket full.
 STALL_S = 0.2
@@ -51,10 +57,13 @@ def is_enabled() -> bool:
 
 
 def proxy_middlewares() -> list[Any]:
-    """Serve's proxy callback: the middlewares to wrap the proxy's ASGI app with."""
+    """Serve's proxy callback: the middlewares to wrap the proxy's ASGI app with (Serve wraps
+    in list order, so the last is outermost: `/-/routes` is refused before anything runs)."""
     from starlette.middleware import Middleware
 
-    return [Middleware(ProxyFlowMiddleware)]
+    from serve_app.access.proxy_keys import RoutesGuard
+
+    return [Middleware(ProxyFlowMiddleware), Middleware(RoutesGuard)]
 
 
 def flow_header(board: str, key: str) -> tuple[str, str]:

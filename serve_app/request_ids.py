@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serve_app import errors
+from serve_app.access import client_json
 from serve_app.streaming import DONE, sse
 
 HEADER = "x-request-id"
@@ -49,8 +50,8 @@ def serve_request_id() -> str:
 
 def body_hash(body: bytes) -> str:
     try:
-        canonical = json.dumps(json.loads(body), sort_keys=True, separators=(",", ":"))
-    except ValueError:
+        canonical = json.dumps(client_json.loads(body), sort_keys=True, separators=(",", ":"))
+    except errors.APIError:  # not JSON: the bytes themselves identify it
         canonical = body.decode("utf-8", "replace")
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -79,8 +80,10 @@ class RequestIds:
         called with the terminal non-streamed body before the terminal event goes out."""
         self._purge()
         rid = request_id or serve_request_id() or uuid.uuid4().hex
-        if len(rid) > MAX_ID_CHARS:
-            raise errors.invalid_request(f"{HEADER} is longer than {MAX_ID_CHARS} characters")
+        if len(rid) > MAX_ID_CHARS or not rid.isprintable():
+            raise errors.invalid_request(
+                f"X-Request-Id must be 1 to {MAX_ID_CHARS} printable characters.", "X-Request-Id"
+            )
         key, digest = (tenant, rid), body_hash(body)
         rec = self.records.get(key)
         if rec is not None:

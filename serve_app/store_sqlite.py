@@ -5,6 +5,7 @@ commit survive power loss, not only a process crash."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -35,6 +36,24 @@ CREATE TABLE IF NOT EXISTS owners (owner TEXT PRIMARY KEY, heartbeat_at REAL NOT
 """
 
 
+# Generation records hold prompts and outputs: only the server's own user may read them.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+COMPANIONS = ("-wal", "-shm", "-journal")
+
+
+def create_private(path: Path) -> None:
+    """The database file (and the folders made for it) readable by this user only; an
+    existing file and its WAL companions are narrowed to that, too."""
+    for folder in reversed([p for p in path.parents if not p.exists()]):
+        folder.mkdir(mode=DIR_MODE)
+        os.chmod(folder, DIR_MODE)  # the umask may have taken bits off: set, not mask
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE))
+    for file in [path, *(path.with_name(path.name + suffix) for suffix in COMPANIONS)]:
+        if file.exists():
+            os.chmod(file, FILE_MODE)
+
+
 class SQLiteStore(SQLStore):
     """One SQLite file in WAL mode; safe for the threads of one process and for several
     processes on one host (each write transaction takes the write lock up front)."""
@@ -42,12 +61,13 @@ class SQLiteStore(SQLStore):
     def __init__(self, path: str | Path, clock: Clock = time.time) -> None:
         super().__init__(clock)
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        create_private(self.path)
         # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
         self._db = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=30.0
         )
         self._lock = threading.Lock()
+        # SQLite gives the -wal and -shm files the database file's mode (0600).
         self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit survives power loss, not only a process crash.
         self._db.execute("PRAGMA synchronous=FULL")

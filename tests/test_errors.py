@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable
 
 import pytest
@@ -58,6 +59,14 @@ CASES: list[tuple[Callable[[], APIError], int, str, str, str | None, str, str | 
      "server_error", None, "false", None),
     (lambda: errors.internal_error("boom", retryable=True), 500, "internal_error",
      "server_error", None, "true", None),
+    (lambda: errors.request_limit_exceeded("max_n", 9, 4, "n"), 400, "request_limit_exceeded",
+     "invalid_request_error", "n", "false", None),
+    (lambda: errors.profile_mismatch("model_not_allowed", "no", "model"), 400,
+     "model_not_allowed", "invalid_request_error", "model", "false", None),
+    (lambda: errors.route_not_found("/v2/nothing"), 404, "not_found",
+     "not_found_error", None, "false", None),
+    (lambda: errors.method_not_allowed("GET", "/v1/completions", ["POST"]), 405,
+     "method_not_allowed", "invalid_request_error", None, "false", None),
 ]  # fmt: skip
 
 
@@ -130,3 +139,91 @@ def test_taxonomy_rows_agree_with_headers() -> None:
             assert row["should_retry"] is True and row["retry_after"] is True
         elif row["status"] != [500]:
             assert row["should_retry"] is False
+
+
+@pytest.mark.parametrize(("make", "status", "code", "type_", "param", "retry", "after"), CASES)
+def test_every_constructor_survives_pickling(make, status, code, type_, param, retry, after):
+    """Ray ships a remote exception by pickle: the caller must get the same error back."""
+    err = make()
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is APIError
+    assert (back.status, back.code, back.message, back.param, back.type, back.headers) == (
+        err.status, err.code, err.message, err.param, err.type, err.headers
+    )  # fmt: skip
+    assert str(back) == str(err)
+
+
+def test_an_error_wrapped_by_ray_is_found_with_its_fields() -> None:
+    from ray.exceptions import RayTaskError
+
+    err = errors.invalid_request("token id 999999999 is outside the vocabulary", "prompt")
+    wrapped = RayTaskError("render", "Traceback ...", err, proctitle="t", pid=1, ip="127.0.0.1")
+    # Ray pickles the RayTaskError; the caller's side raises it as an instance of the cause.
+    dual = pickle.loads(pickle.dumps(wrapped)).as_instanceof_cause()
+    # What a Serve handle raises: both a RayTaskError and an APIError.
+    assert isinstance(dual, RayTaskError) and isinstance(dual, APIError)
+    found = errors.api_error_in(dual)
+    assert found is not None and found.body() == err.body() and found.headers == err.headers
+    # Wrapped again at a second hop, or chained by `raise ... from`.
+    outer = RayTaskError("generate", "Traceback ...", dual, proctitle="t", pid=1, ip="127.0.0.1")
+    assert errors.api_error_in(outer).body() == err.body()
+    try:
+        raise RuntimeError("lost") from dual
+    except RuntimeError as chained:
+        assert errors.api_error_in(chained).param == "prompt"
+    assert errors.api_error_in(ValueError("plain")) is None
+
+
+def test_client_text_is_echoed_at_most_256_characters() -> None:
+    err = errors.route_not_found("/" + "x" * 100_000)
+    assert len(err.message) < 400
+    assert errors.echo("short") == "short"
+
+
+def test_401_names_its_scheme() -> None:
+    assert errors.invalid_api_key().headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_405_lists_the_allowed_methods() -> None:
+    err = errors.method_not_allowed("GET", "/v1/chat/completions", ["POST"])
+    assert err.response().headers["allow"] == "POST"
+
+
+def test_a_starlette_app_answers_every_failure_in_the_error_shape() -> None:
+    from ray.exceptions import RayTaskError
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    async def ok(request):
+        return JSONResponse({})
+
+    async def crash(request):
+        raise RuntimeError("a bug")
+
+    async def remote(request):
+        # Ray's wrapper when it cannot make a dual instance: the APIError is only `.cause`.
+        cause = errors.invalid_request("bad prompt", "prompt")
+        raise RayTaskError("f", "tb", cause, proctitle="t", pid=1, ip="127.0.0.1")
+
+    routes = [
+        Route("/items/{i}", ok, methods=["GET"]),
+        Route("/items/{i}", ok, methods=["DELETE"]),
+        Route("/crash", crash),
+        Route("/remote", remote),
+    ]
+    app = Starlette(routes=routes, exception_handlers=errors.exception_handlers())
+    client = TestClient(app, raise_server_exceptions=False)
+    r = client.put("/items/1")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    # Every route on the path counts, not only the first.
+    assert {"GET", "DELETE"} <= set(r.headers["allow"].replace(" ", "").split(","))
+    r = client.get("/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert r.headers["x-should-retry"] == "false"
+    r = client.get("/crash")
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert "a bug" not in r.text and r.headers["content-type"] == "application/json"
+    r = client.get("/remote")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

@@ -251,3 +251,21 @@ def test_expired_rows_read_as_absent_then_are_purged(store: Store, clock: FakeCl
     assert store.purge_expired() == 3  # generation, conversation, key
     assert store.get_generation("t1", "gen_live") is not None
     assert store.purge_expired() == 0
+
+
+def test_sqlite_files_and_the_folder_made_for_them_are_private(tmp_path: Path) -> None:
+    """Records hold prompts and outputs: 0600 files (WAL and shm too) in a 0700 folder."""
+    path = tmp_path / "data" / "serve-app.sqlite3"
+    store = SQLiteStore(path)
+    store.create_conversation(conv())
+    files = [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
+    try:
+        assert all(f.exists() for f in files)
+        assert {oct(f.stat().st_mode & 0o777) for f in files} == {"0o600"}
+        assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+    finally:
+        store.close()
+    # A file left world-readable by an older version is narrowed when it is opened again.
+    path.chmod(0o644)
+    SQLiteStore(path).close()
+    assert oct(path.stat().st_mode & 0o777) == "0o600"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, overload
 
 from pydantic import ValidationError
 
 from serve_app import errors
+from serve_app.access import client_json
 from serve_app.protocol.requests import ChatCompletionRequest, CompletionRequest
 
 _MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
@@ -36,19 +36,11 @@ def parse_request(
 
 
 def load_json_object(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        # JSONDecodeError is a ValueError; so is our NaN/Infinity refusal.
-        raise errors.invalid_request(f"The body is not valid JSON: {exc}") from None
+    """The body as a JSON object: depth-bounded, Unicode-checked (`access.client_json`)."""
+    data = client_json.loads(body)
     if not isinstance(data, dict):
         raise errors.invalid_request("The request body must be a JSON object.")
     return data
-
-
-def _reject_constant(name: str) -> Any:
-    # Python's json accepts NaN/Infinity; JSON does not, and a NaN temperature is poison.
-    raise ValueError(f"{name} is not a JSON value")
 
 
 def from_validation_error(exc: ValidationError, data: Any) -> errors.APIError:
