@@ -5,16 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 
 from actors.ray_executor import cluster_has_gpus, rank_bundles
+from serve_app import ray_env
+from serve_app.admin import HEAD_ONLY, AdminServer
+from serve_app.checkpoints.chat_templates import renders_tools, resolve_chat_template
 from serve_app.config import ServeConfig
 from serve_app.engine import EngineService, build_model_config
 from serve_app.grammar import GrammarService
 from serve_app.identity import artifact_identity
 from serve_app.ingress import Ingress
 from serve_app.metrics import record_grammar_compile
+from serve_app.protocol.schema_limits import SchemaLimits
 from serve_app.tokenizer import TokenizerService
 
 APP_NAME = "serve-app"
@@ -65,9 +70,13 @@ def served_identity(config: ServeConfig, grammar_identity: dict[str, Any]) -> di
     from transformers import AutoTokenizer
 
     model_config = build_model_config(config)
-    template = AutoTokenizer.from_pretrained(config.model).chat_template
-    identity = artifact_identity(config.model, template, extra=grammar_identity)
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    template = resolve_chat_template(config.chat_template, tokenizer.chat_template)
+    tokenizer.chat_template = template.text
+    identity = artifact_identity(config.model, template.text, extra=grammar_identity)
     identity.update(
+        chat_template_source=template.label,
+        chat_template_renders_tools=renders_tools(tokenizer),
         model=config.model_id,
         max_model_len=model_config.max_model_len,
         vocab_size=model_config.vocab_size,
@@ -77,9 +86,13 @@ def served_identity(config: ServeConfig, grammar_identity: dict[str, Any]) -> di
     return identity
 
 
+def schema_limits(config: ServeConfig) -> SchemaLimits:
+    return SchemaLimits(config.grammar.max_schema_depth, config.grammar.max_schema_nodes)
+
+
 def probe_grammar_backend(config: ServeConfig) -> dict[str, Any]:
     """Whether xgrammar works for this tokenizer, decided once at startup."""
-    probe = GrammarService(config.model, max_threads=1)
+    probe = GrammarService(config.model, max_threads=1, prestart=False)
     try:
         info = probe.identity()
     finally:
@@ -97,6 +110,20 @@ def probe_grammar_backend(config: ServeConfig) -> dict[str, Any]:
     return info
 
 
+def admin_deployment(config: ServeConfig) -> Application:
+    """The admin API as one replica of the app: it comes up with every deploy path and goes
+    with the app. On the head, as the proxy: a loopback bind must be the head's loopback."""
+    return serve.deployment(
+        AdminServer,
+        name="admin",
+        num_replicas=1,
+        max_ongoing_requests=512,
+        ray_actor_options={"num_cpus": 0, "resources": dict(HEAD_ONLY)},
+    ).bind(
+        config.model_id, config.admin_host, config.admin_port, config.admin_api_key, config.api_keys
+    )
+
+
 def build_app(config: ServeConfig) -> Application:
     model_config = build_model_config(config)
     identity = served_identity(config, {"grammar": probe_grammar_backend(config)})
@@ -105,7 +132,7 @@ def build_app(config: ServeConfig) -> Application:
         name="tokenizer",
         max_ongoing_requests=512,
         ray_actor_options=cpu_actor_options(config),
-    ).bind(config.model, model_config.vocab_size)
+    ).bind(config.model, model_config.vocab_size, resolve_chat_template(config.chat_template, None))
     grammar = serve.deployment(
         GrammarService,
         name="grammar",
@@ -118,6 +145,10 @@ def build_app(config: ServeConfig) -> Application:
         compile_timeout_s=config.grammar.compile_timeout_s,
         on_compile=record_grammar_compile,
         compile_delay_s=config.grammar.compile_delay_s,
+        num_workers=config.grammar.compile_workers,
+        max_queue=config.grammar.max_compile_queue,
+        max_queue_wait_s=config.grammar.max_compile_queue_wait_s,
+        schema_limits=schema_limits(config),
     )
     engine_options: dict[str, Any] = dict(
         name="engine",
@@ -133,10 +164,26 @@ def build_app(config: ServeConfig) -> Application:
         name="ingress",
         max_ongoing_requests=ENGINE_MAX_ONGOING,
         ray_actor_options=cpu_actor_options(config),
-    ).bind(config, tokenizer, grammar, engine, identity)
+    ).bind(config, tokenizer, grammar, engine, identity, admin_deployment(config))
     return ingress
 
 
+# Serve's own settings on the `serve run` / `serve deploy` paths (http_options).
+SERVE_OWNED_FIELDS = ("host", "port")
+
+
 def app_builder(args: dict[str, Any]) -> Application:
-    """For `serve run serve_app.app:app_builder model=DIR ...` and Serve config files."""
+    """For `serve run serve_app.app:app_builder model=DIR ...` and Serve config files
+    (docs/deploy.md). The HTTP address there is Serve's `http_options`, so `host` and `port`
+    are refused rather than ignored."""
+    for field in SERVE_OWNED_FIELDS:
+        if field in args:
+            raise ValueError(
+                f"{field}: `serve run` and `serve deploy` take the HTTP address from the Serve "
+                f"config's http_options.{field}, not from the app's args (docs/deploy.md)"
+            )
+    if not ray.is_initialized():
+        # `serve run IMPORT_PATH` builds the app before it starts Ray: the Ray it starts
+        # inherits the settings its proxy and replicas need (ray_env).
+        ray_env.prepare()
     return build_app(ServeConfig.model_validate(args))

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.auth import KeysFile, load_keys_file
+from serve_app.access.prefix_scope import check_shared_tenants
+from serve_app.auth import DEFAULT_TENANT, KeysFile, load_keys_file
 from serve_app.profiles import GenerationOptions
 
 STORE_SCHEMES = ("sqlite:///", "postgresql://", "postgres://")
@@ -39,6 +40,9 @@ class EngineOptions(BaseModel):
     block_size: int = Field(16, ge=1)
     kv_cache_bytes: int = Field(512 * 1024**2, ge=1)
     enable_prefix_caching: bool = True
+    # Cached prefixes are keyed by tenant; the tenants listed here pool one shared cache
+    # (their cached prefixes are visible to each other: cached_tokens and timing).
+    shared_prefix_tenants: tuple[Annotated[str, Field(min_length=1, max_length=128)], ...] = ()
     seed: int = 0
     # Backpressure: a request whose reader is this many outputs behind is held (not
     # scheduled, KV kept); held longer than `hold_timeout_s` it ends as `slow_consumer`.
@@ -66,9 +70,21 @@ class GrammarOptions(BaseModel):
     # this many seconds longer, so grammar/prefill overlap can be measured. 0 in production.
     compile_delay_s: float = Field(0.0, ge=0)
     cache_bytes: int = Field(64 * 1024**2, ge=0)
+    # xgrammar threads per compile worker.
     max_threads: int = Field(4, ge=1)
+    # Compile worker processes (each compiles one grammar at a time; one that runs past
+    # compile_timeout_s is killed and replaced), the compiles that may wait for one, and the
+    # longest wait while all are busy; past either: 503 overloaded (docs/structured-output.md).
+    compile_workers: int = Field(2, ge=1)
+    max_compile_queue: int = Field(8, ge=0)
+    max_compile_queue_wait_s: float = Field(2.0, gt=0)
     # Largest schema / regex / grammar text accepted, in bytes.
     max_spec_bytes: int = Field(64 * 1024, ge=1)
+    # Schema complexity, checked before anything compiles (400 request_limit_exceeded): how
+    # deeply JSON objects/arrays nest in a schema, and how many JSON values it holds (also the
+    # most choices). Measured: nesting is what makes compiles slow (docs/structured-output.md).
+    max_schema_depth: int = Field(64, ge=2)
+    max_schema_nodes: int = Field(4096, ge=1)
 
 
 class LimitOptions(BaseModel):
@@ -88,9 +104,13 @@ class LimitOptions(BaseModel):
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
+    # A checkpoint folder, or a .gguf file (dequantized once into a cached folder, which
+    # `model` then names; docs/checkpoints.md).
     model: str
-    # The id clients send as `model`; defaults to the checkpoint folder's name.
+    # The id clients send as `model`; defaults to the checkpoint folder's name (a GGUF's stem).
     served_model_name: str | None = None
+    # A Jinja chat template file that replaces the checkpoint's own (`--chat-template`).
+    chat_template: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     admin_port: int = Field(8001, ge=0, le=65535)
@@ -115,13 +135,24 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
+        self._resolve_gguf()
         if not (Path(self.model) / "config.json").is_file():
-            raise ValueError(f"model: {self.model} is not a checkpoint folder (no config.json)")
+            raise ValueError(
+                f"model: {self.model} is not a checkpoint folder (no config.json) "
+                "nor a .gguf file"
+            )
+        if self.chat_template is not None:
+            from serve_app.checkpoints.chat_templates import load_chat_template
+
+            load_chat_template(self.chat_template)
         if self.api_keys_file is not None and self.api_keys is None:
             self.api_keys = load_keys_file(self.api_keys_file)
         if self.store is not None and not self.store.startswith(STORE_SCHEMES):
             raise ValueError(f"store: {self.store!r} is not sqlite:///PATH or postgresql://...")
         self.generations.check_models(self.model_id)
+        self._check_output_format_limits()
+        tenants = {k.tenant for k in self.api_keys.keys} if self.api_keys else {DEFAULT_TENANT}
+        check_shared_tenants(self.engine.shared_prefix_tenants, tenants)
         if not is_loopback(self.host) and self.api_keys is None:
             raise ValueError(
                 f"host: refusing to bind {self.host} (not loopback) without API keys "
@@ -133,6 +164,34 @@ class ServeConfig(BaseModel):
                 "admin_api_key"
             )
         return self
+
+    def _resolve_gguf(self) -> None:
+        """A GGUF file is served from its converted folder (built on first use, cached by the
+        file's hash); unsupported architectures and quant types fail here, naming them."""
+        from actors.models.gguf import gguf_checkpoint, is_gguf_path
+
+        if not is_gguf_path(self.model):
+            return
+        gguf = Path(self.model)
+        self.model = str(gguf_checkpoint(gguf))
+        if self.served_model_name is None:
+            self.served_model_name = gguf.stem
+
+    def _check_output_format_limits(self) -> None:
+        from serve_app.profiles import constrained_schema
+        from serve_app.protocol.schema_limits import (
+            SchemaLimitExceeded,
+            SchemaLimits,
+            check_schema_limits,
+        )
+
+        limits = SchemaLimits(self.grammar.max_schema_depth, self.grammar.max_schema_nodes)
+        for name, schema in self.generations.output_formats.items():
+            try:
+                check_schema_limits(constrained_schema(schema), limits)
+            except SchemaLimitExceeded as exc:
+                where = f"generations.output_formats.{name}"
+                raise ValueError(f"{where}: {exc} (grammar.{exc.limit})") from None
 
     @property
     def model_id(self) -> str:

@@ -1,7 +1,14 @@
 """Grammar compilation: spec -> serialized xgrammar `CompiledGrammar`, cached (a plain class;
-`app.py` makes it the Grammar deployment). Compiles run on a thread pool behind a timeout, so a
-pathological grammar never stalls the replica; results are `serialize_json()` text because
-`CompiledGrammar` cannot cross Ray (the engine rebuilds it: `actors.grammar_cache`)."""
+`app.py` makes it the Grammar deployment). Compiles run in worker processes
+(`serve_app.workers.compile_pool`) that are killed when they run past the timeout, so a
+pathological grammar never holds the service; results are `serialize_json()` text because
+`CompiledGrammar` cannot cross Ray (the engine rebuilds it: `actors.grammar_cache`).
+
+Outcomes (docs/structured-output.md): a spec outside the enforced subset or the complexity
+limits, or one that fails to compile, is `invalid_grammar` / `request_limit_exceeded`; a
+compile that ran its whole timeout on a worker of its own is the spec's fault
+(`invalid_grammar`, "timed out"); a compile that could not get a worker (queue full, or the
+wait for one too long) is `overloaded` (503 with Retry-After), never the spec's fault."""
 
 from __future__ import annotations
 
@@ -15,16 +22,28 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xgrammar as xgr
-
 from actors.grammar_cache import load_tokenizer_info
 from serve_app.identity import tokenizer_hash
 from serve_app.protocol.json_schema import schema_json
+from serve_app.protocol.schema_limits import SchemaLimitExceeded, SchemaLimits, measure_schema
+from serve_app.protocol.schema_subset import SUPPORTED_JSON_SCHEMA, SchemaRefused
+from serve_app.protocol.schema_subset import check_schema_subset as _check_subset
+from serve_app.workers.compile_pool import (
+    CompileCrashed,
+    CompilePool,
+    CompileRefused,
+    CompileTimeout,
+    PoolClosed,
+    PoolJob,
+    PoolSaturated,
+)
+from serve_app.workers.compile_worker import BOUNDED_CHAR as _BOUNDED_CHAR
+from serve_app.workers.compile_worker import JSON_STRING_CHAR as _JSON_STRING_CHAR
+from serve_app.workers.compile_worker import CompileJob
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +56,20 @@ COMPILER_ID = (
     f"{BACKEND}=={BACKEND_VERSION};any_whitespace=0;strict_mode=1;bounded_char=json;stop=eos"
 )
 MAX_REASON_CHARS = 500
+# Refusals remembered so a repeat is answered without a compile: bad specs for good, a
+# timeout for a while (a machine that was overloaded then may compile it in time later).
+MAX_REFUSALS = 1024
+TIMEOUT_REFUSAL_TTL_S = 600.0
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:NN: ".
 _LOG_PREFIX = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\]\s+\S+?:\d+:\s*")
-# NOTE: xgrammar 0.2.9 lets raw control characters into length-bounded JSON strings (invalid
-# JSON). Its printed EBNF is patched to the character class its other JSON strings use.
-_BOUNDED_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+# Re-exported: the JSON-string patch (tool grammars) and the subset /v1/server_info lists.
+__all__ = ["SUPPORTED_JSON_SCHEMA", "_BOUNDED_CHAR", "_JSON_STRING_CHAR"]
 
-_COUNTERS = ("compiles", "cache_hits", "cache_misses", "inflight_joins", "timeouts", "errors")
-OnCompile = Callable[[str, float, bool, str], None]  # kind, seconds, hit, ok|error|timeout
+_COUNTERS = (
+    "compiles", "cache_hits", "cache_misses", "inflight_joins", "timeouts", "errors", "overloaded"
+)  # fmt: skip
+OnCompile = Callable[[str, float, bool, str], None]  # kind, seconds, hit, outcome
+# outcome: ok | error | timeout | overloaded
 
 
 @dataclass(frozen=True)
@@ -66,7 +90,8 @@ class CompiledGrammarPayload:
 
 
 class GrammarError(Exception):
-    """A grammar the service will not compile; `code` is the API error code."""
+    """A grammar the service will not compile; `code` is the API error code
+    (`invalid_grammar`, `request_limit_exceeded`, `overloaded`, `grammar_unavailable`)."""
 
     def __init__(self, reason: str, code: str = "invalid_grammar"):
         super().__init__(reason)
@@ -77,7 +102,7 @@ class GrammarError(Exception):
         return (type(self), (self.reason, self.code))
 
 
-def clean_reason(exc: BaseException) -> str:
+def clean_reason(exc: BaseException | str) -> str:
     text = " ".join(_LOG_PREFIX.sub("", str(exc)).split())
     return text[:MAX_REASON_CHARS] or type(exc).__name__
 
@@ -116,92 +141,102 @@ class GrammarService:
         compile_timeout_s: float = 10.0,
         on_compile: OnCompile | None = None,
         compile_delay_s: float = 0.0,
+        num_workers: int = 2,
+        max_queue: int = 8,
+        max_queue_wait_s: float = 2.0,
+        schema_limits: SchemaLimits | None = None,
+        prestart: bool = True,
     ):
-        if max_threads < 1:
-            raise ValueError(f"max_threads must be >= 1, got {max_threads}")
-        if cache_limit_bytes < 0:
-            raise ValueError(f"cache_limit_bytes must be >= 0, got {cache_limit_bytes}")
-        if not compile_timeout_s > 0:
-            raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
-        if compile_delay_s < 0:
-            raise ValueError(f"compile_delay_s must be >= 0, got {compile_delay_s}")
+        """`max_threads`: xgrammar threads per compile worker; `num_workers` processes compile
+        at once, `max_queue` more wait, none longer than `max_queue_wait_s` while all are busy.
+        `prestart`: start the workers now (in the background) rather than at the first miss."""
+        _check_options(max_threads, cache_limit_bytes, compile_timeout_s, compile_delay_s)
         path = Path(model_path)
         self.compile_timeout_s = compile_timeout_s
         # Fault injection for tests and benchmarks: every cache miss takes this much longer.
         self.compile_delay_s = compile_delay_s
         self.on_compile = on_compile
+        self.schema_limits = schema_limits or SchemaLimits()
         self.tokenizer_hash = tokenizer_hash(path)
         self.vocab_size: int = json.loads((path / "config.json").read_text())["vocab_size"]
-        self._compiler: xgr.GrammarCompiler | None = None
+        self._tokenizer_info_json = ""
         self.unavailable_reason = ""
         try:
             # The engine's own tokenizer info: the same stop tokens on both sides.
-            info = load_tokenizer_info(path)
-            self._compiler = xgr.GrammarCompiler(
-                info, max_threads=max_threads, cache_limit_bytes=cache_limit_bytes
-            )
+            self._tokenizer_info_json = load_tokenizer_info(path).serialize_json()
         except Exception as exc:  # whatever xgrammar raises, the server chooses the policy
             self.unavailable_reason = f"xgrammar cannot use this tokenizer: {clean_reason(exc)}"
             logger.warning("grammar backend unavailable: %s", self.unavailable_reason)
-        self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="grammar-compile")
+        self._pool_options = dict(
+            num_workers=num_workers,
+            timeout_s=compile_timeout_s,
+            max_queue=max_queue,
+            max_queue_wait_s=max_queue_wait_s,
+            threads_per_worker=max_threads,
+        )
+        self._pool: CompilePool | None = None
         self._lru = _ByteBoundedLRU(cache_limit_bytes)
-        # One running compilation per key; concurrent requests for it wait on the same future.
-        self._inflight: dict[str, Future[str]] = {}
+        self._refusals: OrderedDict[str, tuple[str, float]] = OrderedDict()  # reason, until
+        # One running compilation per key; concurrent requests for it wait on the same job.
+        self._inflight: dict[str, PoolJob] = {}
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(_COUNTERS, 0)
         self._compile_seconds_total = 0.0
+        if prestart and self.available:
+            self._ensure_pool()
 
     @property
     def available(self) -> bool:
-        return self._compiler is not None
+        return bool(self._tokenizer_info_json)
+
+    @property
+    def pool(self) -> CompilePool:
+        """The compile workers (started on first use)."""
+        return self._ensure_pool()
 
     async def compile(self, spec: GrammarSpec) -> CompiledGrammarPayload:
         started = time.perf_counter()
         try:
             kind, canonical = self._canonicalize(spec)
-        except GrammarError:
+            key = self.cache_key(kind, canonical)
+            serialized, pool_job = self._lookup(key, kind, canonical)
+        except GrammarError as exc:
             label = spec.kind if spec.kind in GRAMMAR_KINDS else "unknown"  # bounded labels
-            self._record(label, started, hit=False, outcome="error")
+            self._record(label, started, hit=False, outcome=_outcome(exc))
             raise
-        key = self.cache_key(kind, canonical)
-        with self._lock:
-            serialized = self._lru.get(key)
-            if serialized is not None:
-                self._stats["cache_hits"] += 1
-            else:
-                future = self._inflight.get(key)
-                if future is not None:
-                    self._stats["inflight_joins"] += 1
-                else:
-                    self._stats["cache_misses"] += 1
-                    future = self._pool.submit(self._compile_and_store, key, kind, canonical)
-                    self._inflight[key] = future
         if serialized is not None:
             seconds = self._record(kind, started, hit=True, outcome="ok")
             return CompiledGrammarPayload(key, serialized, kind, seconds, cache_hit=True)
+        assert pool_job is not None
         try:
-            # shield: one waiter's timeout must not cancel a compilation others wait on.
-            serialized = await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(future)), self.compile_timeout_s
-            )
-        except TimeoutError:
-            self._record(kind, started, hit=False, outcome="timeout")
-            reason = f"grammar compilation timed out after {self.compile_timeout_s:g}s"
-            raise GrammarError(reason) from None
-        except Exception:  # GrammarError, or an internal error that still counts
-            self._record(kind, started, hit=False, outcome="error")
+            serialized = await self._wait(pool_job)
+        except GrammarError as exc:
+            self._record(kind, started, hit=False, outcome=_outcome(exc))
             raise
         seconds = self._record(kind, started, hit=False, outcome="ok")
         return CompiledGrammarPayload(key, serialized, kind, seconds, cache_hit=False)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> bool:
+        """Block until every compile worker has started (benchmarks: time compiles, not
+        start-up); False if they did not within `timeout_s`."""
+        pool = self._ensure_pool()
+        deadline = time.monotonic() + timeout_s
+        while pool.stats()["workers_ready"] < self._pool_options["num_workers"]:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def cache_key(self, kind: str, canonical: str) -> str:
         parts = [COMPILER_ID, self.tokenizer_hash, self.vocab_size, kind, canonical]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
     def stats(self) -> dict[str, float]:
+        pool = self._pool.stats() if self._pool is not None else {}
         with self._lock:
             cache = {"cache_bytes": self._lru.num_bytes, "cache_entries": len(self._lru.entries)}
-            return {**self._stats, **cache, "compile_seconds_total": self._compile_seconds_total}
+            seconds = {"compile_seconds_total": self._compile_seconds_total}
+            return {**self._stats, **cache, **seconds, **pool}
 
     def identity(self) -> dict[str, Any]:
         return {
@@ -216,8 +251,78 @@ class GrammarService:
         }
 
     def close(self) -> None:
-        # A timed-out compilation may still run; never wait for it.
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # Kills the workers, a runaway compile included; queued requests are refused.
+        if self._pool is not None:
+            self._pool.close()
+
+    def _ensure_pool(self) -> CompilePool:
+        with self._lock:
+            if self._pool is None:
+                self._pool = CompilePool(self._tokenizer_info_json, **self._pool_options)
+            return self._pool
+
+    def _lookup(self, key: str, kind: str, canonical: str) -> tuple[str | None, PoolJob | None]:
+        """The cached grammar, or the job that compiles it (joined or submitted)."""
+        pool = self._ensure_pool()
+        with self._lock:
+            serialized = self._lru.get(key)
+            if serialized is not None:
+                self._stats["cache_hits"] += 1
+                return serialized, None
+            reason, until = self._refusals.get(key, ("", 0.0))
+            if reason and time.monotonic() < until:
+                raise GrammarError(reason)
+            pool_job = self._inflight.get(key)
+            if pool_job is not None:
+                self._stats["inflight_joins"] += 1
+                return None, pool_job
+            try:
+                pool_job = pool.submit(CompileJob(kind, canonical, self.compile_delay_s))
+            except (PoolSaturated, PoolClosed) as exc:
+                reason = f"grammar compilation is overloaded: {exc}"
+                raise GrammarError(reason, "overloaded") from None
+            self._stats["cache_misses"] += 1
+            self._inflight[key] = pool_job
+        pool_job.future.add_done_callback(lambda f: self._settle(key, pool_job))
+        return None, pool_job
+
+    def _settle(self, key: str, pool_job: PoolJob) -> None:
+        """When a job ends: cache its grammar (or its refusal) and let the next request in.
+        One critical section: no request finds the key in neither place and compiles again."""
+        future = pool_job.future
+        exc = future.exception()
+        with self._lock:
+            self._inflight.pop(key, None)
+            if pool_job.started_at is not None:
+                self._compile_seconds_total += time.monotonic() - pool_job.started_at
+            if exc is None:
+                self._lru.put(key, future.result())
+            elif isinstance(exc, CompileRefused | CompileTimeout):  # the spec's own outcome
+                ttl = TIMEOUT_REFUSAL_TTL_S if isinstance(exc, CompileTimeout) else float("inf")
+                reason = _reason(exc, self.compile_timeout_s)
+                self._refusals[key] = (reason, time.monotonic() + ttl)
+                while len(self._refusals) > MAX_REFUSALS:
+                    self._refusals.popitem(last=False)
+
+    async def _wait(self, pool_job: PoolJob) -> str:
+        """The job's grammar. A job still queued when the wait bound passes, while every
+        worker is busy, is refused (overloaded); once started, the pool's timeout bounds it."""
+        pool = self._pool
+        assert pool is not None
+        future = asyncio.wrap_future(pool_job.future)
+        while not future.done():
+            if pool_job.started_at is not None:
+                await asyncio.wait({future})
+                break
+            await asyncio.wait({future}, timeout=pool.max_queue_wait_s)
+            if not future.done():
+                pool.expire(pool_job)
+        exc = future.exception()
+        if exc is None:
+            return future.result()
+        if isinstance(exc, PoolSaturated | PoolClosed):
+            raise GrammarError(f"grammar compilation is overloaded: {exc}", "overloaded")
+        raise GrammarError(_reason(exc, self.compile_timeout_s))
 
     def _canonicalize(self, spec: GrammarSpec) -> tuple[str, str]:
         """Validate the spec; return (kind, canonical text) — the cache key and what compiles."""
@@ -225,7 +330,7 @@ class GrammarService:
         if kind not in GRAMMAR_KINDS:
             names = ", ".join(GRAMMAR_KINDS)
             raise GrammarError(f"unsupported grammar kind {kind!r}; expected one of {names}")
-        if self._compiler is None:
+        if not self.available:
             raise GrammarError(self.unavailable_reason, code="grammar_unavailable")
         if kind == "json_object":
             # Not the builtin JSON grammar: that admits top-level arrays and unbounded whitespace.
@@ -233,54 +338,19 @@ class GrammarService:
         if not isinstance(spec.spec, str) or not spec.spec:
             raise GrammarError(f"a {kind} grammar needs a non-empty spec")
         if kind == "json_schema":
-            return kind, canonical_json_schema(spec.spec)
+            return kind, canonical_json_schema(spec.spec, self.schema_limits)
         if kind == "choice":
-            return kind, _canonical_choices(spec.spec)
+            return kind, _canonical_choices(spec.spec, self.schema_limits)
         return kind, spec.spec
-
-    def _compile_and_store(self, key: str, kind: str, canonical: str) -> str:
-        """On the pool. Stores the result even after every waiter timed out: a retry finds it."""
-        started = time.perf_counter()
-        serialized: str | None = None
-        try:
-            if self.compile_delay_s:
-                time.sleep(self.compile_delay_s)  # on the pool thread, as a slow compile would
-            serialized = self._compile_serialized(kind, canonical)
-            return serialized
-        except (RuntimeError, ValueError) as exc:
-            raise GrammarError(clean_reason(exc)) from None
-        finally:
-            # One critical section: no request finds the key in neither place and compiles again.
-            with self._lock:
-                self._inflight.pop(key, None)
-                self._compile_seconds_total += time.perf_counter() - started
-                if serialized is not None:
-                    self._lru.put(key, serialized)
-
-    def _compile_serialized(self, kind: str, canonical: str) -> str:
-        compiler = self._compiler
-        assert compiler is not None
-        if kind in ("json_schema", "json_object"):
-            # No free whitespace: a weak model could otherwise emit it until max_tokens.
-            # json_object is not strict: it admits any properties.
-            options = {"any_whitespace": False, "strict_mode": kind == "json_schema"}
-            ebnf = str(xgr.Grammar.from_json_schema(canonical, **options))
-            compiled = compiler.compile_grammar(ebnf.replace(_BOUNDED_CHAR, _JSON_STRING_CHAR))
-        elif kind == "regex":
-            compiled = compiler.compile_regex(canonical)
-        elif kind == "ebnf":
-            compiled = compiler.compile_grammar(canonical)
-        else:  # choice: JSON string escapes are valid EBNF string-literal escapes in xgrammar
-            ebnf = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(canonical))
-            compiled = compiler.compile_grammar(f"root ::= {ebnf}")
-        return compiled.serialize_json()
 
     def _record(self, kind: str, started: float, *, hit: bool, outcome: str) -> float:
         seconds = time.perf_counter() - started
         with self._lock:
             self._stats["compiles"] += 1
-            if outcome != "ok":
-                self._stats["timeouts" if outcome == "timeout" else "errors"] += 1
+            if outcome in ("timeout", "overloaded"):
+                self._stats["timeouts" if outcome == "timeout" else "overloaded"] += 1
+            elif outcome != "ok":
+                self._stats["errors"] += 1
         if self.on_compile is not None:
             try:
                 self.on_compile(kind, seconds, hit, outcome)
@@ -289,66 +359,70 @@ class GrammarService:
         return seconds
 
 
-def _canonical_choices(spec: str) -> str:
+def _check_options(
+    max_threads: int, cache_limit_bytes: int, compile_timeout_s: float, compile_delay_s: float
+) -> None:
+    if max_threads < 1:
+        raise ValueError(f"max_threads must be >= 1, got {max_threads}")
+    if cache_limit_bytes < 0:
+        raise ValueError(f"cache_limit_bytes must be >= 0, got {cache_limit_bytes}")
+    if not compile_timeout_s > 0:
+        raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
+    if compile_delay_s < 0:
+        raise ValueError(f"compile_delay_s must be >= 0, got {compile_delay_s}")
+
+
+def _reason(exc: BaseException, timeout_s: float) -> str:
+    if isinstance(exc, CompileTimeout):
+        return f"grammar compilation timed out after {timeout_s:g}s"
+    if isinstance(exc, CompileCrashed | CompileRefused):
+        return clean_reason(str(exc))
+    return clean_reason(exc)
+
+
+def _outcome(exc: GrammarError) -> str:
+    if exc.code == "overloaded":
+        return "overloaded"
+    return "timeout" if "timed out" in exc.reason else "error"
+
+
+def _canonical_choices(spec: str, limits: SchemaLimits) -> str:
     try:
         choices = json.loads(spec)
     except json.JSONDecodeError as exc:
         raise GrammarError(f"choice spec is not valid JSON: {exc}") from None
     if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
         raise GrammarError("choice spec must be a non-empty JSON list of strings")
+    if len(choices) > limits.max_nodes:
+        reason = f"{len(choices)} choices; the limit max_schema_nodes allows {limits.max_nodes}"
+        raise GrammarError(reason, "request_limit_exceeded")
     # Alternation order and duplicates do not change the language.
     return json.dumps(sorted(set(choices)), ensure_ascii=False)
 
 
-# ---------------------------------------------------------------------- JSON Schema
-# What xgrammar 0.2.9 enforces with the options used here; tests/test_grammar.py holds an
-# accept/reject case for every keyword listed, so this list cannot claim more than it does.
-# fmt: off
-SUPPORTED_JSON_SCHEMA: dict[str, Any] = {
-    "types": ["object", "array", "string", "integer", "number", "boolean", "null"],
-    "keywords": [
-        "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
-        "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
-        "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems",
-        "minLength", "maxLength", "pattern", "format",
-        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-    ],
-    "notes": {
-        "enum": "any JSON values; objects and arrays are emitted compactly",
-        "const": "any JSON value; objects and arrays are emitted compactly",
-        "oneOf": "as anyOf: exclusivity is not enforced",
-        "allOf": "a single subschema only",
-        "$ref": "local (#/$defs/..., #/definitions/...), recursion allowed",
-        "properties": "emitted in the declared order",
-        "required": "names must also appear in properties",
-        "additionalProperties": "false (the default here: strict mode), true or a schema",
-        "patternProperties": "patterns match the whole property name",
-        "minLength": "and maxLength: not with pattern or format; no escapes in such strings",
-        "pattern": "matches the whole string, as if anchored",
-        "multipleOf": "integers only",
-    },
-    "formats": [
-        "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
-        "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
-    ],
-    # Accepted in a schema but not enforced on the output: validate afterwards if they matter.
-    "not_enforced": [
-        "not", "if/then/else", "allOf with several subschemas", "uniqueItems", "contains",
-        "dependentRequired", "dependentSchemas", "unlisted formats",
-    ],
-    "output": "no whitespace beyond ', ' and ': ' separators; unlisted properties rejected",
-}
-
-# fmt: on
+def check_schema(schema: Any, limits: SchemaLimits | None = None) -> None:
+    """Raise GrammarError unless `schema` is within `limits` (when given) and the subset
+    enforced exactly: `request_limit_exceeded` / `invalid_grammar`."""
+    try:
+        if limits is not None:
+            measure_schema(schema, limits)
+        _check_subset(schema)
+    except SchemaLimitExceeded as exc:
+        reason = f"{exc}; the limit {exc.limit} allows {exc.bound}"
+        raise GrammarError(reason, "request_limit_exceeded") from None
+    except SchemaRefused as exc:
+        raise GrammarError(exc.reason) from None
 
 
-def canonical_json_schema(spec: str) -> str:
+def canonical_json_schema(spec: str, limits: SchemaLimits | None = None) -> str:
     """Keyword order normalised, so equal schemas share a cache entry. Property order and the
-    key order inside enum/const values are kept: they are the order of the generated text."""
+    key order inside enum/const values are kept: they are the order of the generated text.
+    Refuses what `check_schema` refuses."""
     try:
         schema = json.loads(spec)
         if not isinstance(schema, dict | bool):
             raise GrammarError("a JSON schema must be an object or a boolean")
+        check_schema(schema, limits)
         return schema_json(schema)
     except json.JSONDecodeError as exc:
         raise GrammarError(f"JSON schema is not valid JSON: {exc}") from None

@@ -14,6 +14,8 @@ from typing import Any
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serve_app.protocol.schema_subset import SchemaRefused, check_schema_subset
+
 TEXT_FORMAT = "text"
 REFUSAL_MAX_CHARS = 200
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -95,6 +97,10 @@ class GenerationOptions(BaseModel):
                 raise ValueError(f'{where}: the top level must be {{"type": "object"}}')
             if "refusal" in schema.get("properties", {}):
                 raise ValueError(f"{where}: 'refusal' is reserved for the refusal branch")
+            try:  # enforced exactly or refused, as for a request's schema
+                check_schema_subset(constrained_schema(schema))
+            except SchemaRefused as exc:
+                raise ValueError(f"{where}: {exc.reason}") from None
         return formats
 
     @model_validator(mode="after")

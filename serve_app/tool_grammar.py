@@ -40,6 +40,8 @@ from xgrammar.structural_tag import (
     TagsWithSeparatorFormat,
 )
 
+from serve_app.errors import APIError
+
 # The JSON-string patch lives with GrammarService; both must emit the same JSON strings.
 from serve_app.grammar import (
     _BOUNDED_CHAR,
@@ -49,6 +51,8 @@ from serve_app.grammar import (
     canonical_json_schema,
     clean_reason,
 )
+from serve_app.protocol.schema_admission import admit_schema
+from serve_app.protocol.schema_subset import COMBINATORS
 from serve_app.reasoning import THINK_CLOSE, THINK_OPEN
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -68,7 +72,8 @@ class ToolSpecError(ValueError):
         super().__init__(f"{param}: {reason}")
         self.param = param
         self.reason = reason
-        # `invalid_grammar` when a parameter schema does not compile, as for response_format.
+        # `invalid_grammar` when a parameter schema does not compile or would not be enforced
+        # exactly, as for response_format; `request_limit_exceeded` past the schema limits.
         self.code = code
 
 
@@ -167,6 +172,9 @@ def arguments_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
     if parameters is None:
         return dict(NO_PARAMETERS)
     # `type` may be left out of an object schema; the arguments must still be an object.
+    # Beside a `$ref` or a combinator it would not be enforced (schema_subset refuses it).
+    if any(key in parameters for key in COMBINATORS):
+        return dict(parameters)
     return {"type": "object", **parameters}
 
 
@@ -215,6 +223,12 @@ def _check_parameters(parameters: Any, param: str) -> None:
         raise ToolSpecError(param, "must be a JSON Schema object")
     if parameters.get("type", "object") != "object":
         raise ToolSpecError(param, "must describe an object (type 'object')")
+    # Bounded and exact before xgrammar sees it (it converts here, in the ingress).
+    try:
+        admit_schema(arguments_schema(parameters), param)
+    except APIError as exc:
+        reason = exc.message.removeprefix("Invalid grammar: ")
+        raise ToolSpecError(param, reason, exc.code) from None
     try:
         arguments_ebnf(parameters)
     except GrammarError as exc:

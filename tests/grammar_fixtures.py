@@ -10,13 +10,14 @@ from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
 from serve_app.grammar import CompiledGrammarPayload, GrammarService, GrammarSpec
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_path(model_dirs) -> str:
     return str(model_dirs("llama"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def service(model_path):
+    # One per run: its compile workers start once (a test that changes it restores it).
     svc = GrammarService(model_path)
     yield svc
     svc.close()

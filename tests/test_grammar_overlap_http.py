@@ -2,7 +2,8 @@
 `grammar.compile_delay_s` = 0.5 s) in the session's Ray, on its own route prefix. The first
 token of a 512-token prompt with a never-seen JSON schema comes about max(prefill, compile)
 plus one step after the request, not their sum, and the engine timeline that the admin port
-reports for the request shows prefill starting before the grammar was ready."""
+reports for the request shows prefill starting before the grammar was ready. With its one
+compile worker busy and its queue full, a further never-seen schema is 503 overloaded."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def overlap(serve_url, ray_session, model_dirs, tmp_path_factory) -> Overlap:
         tmp_path_factory.mktemp("overlap-data"),
         # Both cores for the engine: prefill is the longer of the two waits only if it is slow.
         engine={"replica_cpus": 2, "kv_cache_bytes": 64 * 1024**2},
-        grammar={"compile_delay_s": COMPILE_DELAY_S},
-        admin=True,
+        # One compile worker and one queue place: the saturation test fills them with four.
+        grammar={"compile_delay_s": COMPILE_DELAY_S, "compile_workers": 1, "max_compile_queue": 1},
     )
     with side_app(config, APP, PREFIX, serve_url, ray_session, admin=True) as (url, admin_url):
         yield Overlap(url, admin_url)
@@ -135,3 +136,23 @@ def test_admin_timeline_of_a_plain_request_and_an_unknown_id(overlap):
     assert by_engine_id["engine_requests"] == [entry]
     r = httpx.get(f"{overlap.admin_url}/admin/v1/requests/never-sent-{uuid.uuid4().hex}")
     assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found", r.text
+
+
+def test_saturated_compile_pool_is_503_overloaded_not_invalid_grammar(overlap):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def post(i: int) -> httpx.Response:
+        body = {"model": MODEL, "prompt": prompt(40 + i)[:16], "max_tokens": 1}
+        body["response_format"] = fresh_schema()  # each a cache miss, 0.5 s on the one worker
+        return httpx.post(f"{overlap.url}/v1/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(post, range(4)))
+    statuses = sorted(r.status_code for r in answers)
+    assert set(statuses) == {200, 503} and statuses.count(503) <= 2, [r.text for r in answers]
+    for r in answers:
+        if r.status_code == 503:  # an overload, never reported as the spec's fault
+            assert r.json()["error"]["code"] == "overloaded", r.text
+            assert int(r.headers["retry-after"]) >= 1 and r.headers["x-should-retry"] == "true"
+    # The pool drains: the same kind of request is served again.
+    assert post(9).status_code == 200

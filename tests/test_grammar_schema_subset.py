@@ -1,5 +1,7 @@
-"""The JSON Schema subset /v1/server_info claims: each keyword is enforced (or, where we
-say so, accepted without being enforced), checked case by case against jsonschema."""
+"""The JSON Schema subset /v1/server_info claims: each keyword is enforced, checked case by
+case against jsonschema; everything else the grammar would not enforce exactly is refused
+(`invalid_grammar`), never widened: each refused case below was found by compiling it and
+seeing xgrammar admit an instance jsonschema rejects (or warn that it would)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import jsonschema
 import pytest
 from grammar_fixtures import accepts, compile_spec
 
-from serve_app.grammar import SUPPORTED_JSON_SCHEMA
+from serve_app.grammar import SUPPORTED_JSON_SCHEMA, GrammarError
+from serve_app.protocol.schema_subset import SchemaRefused, check_schema_subset
 
 # ------------------------------------------------------------ the JSON Schema subset we claim
 
@@ -74,16 +77,65 @@ FORMAT_CASES = {
     "uri-reference": ("/a/b", " x"), "uri-template": ("/a/{b}", "{"),
     "json-pointer": ("/a/b", "a"), "relative-json-pointer": ("0/a", "/a"),
 }
-# Accepted in a schema but not enforced: each instance violates its schema and still passes.
-NOT_ENFORCED_CASES = {
-    "not": ({"type": "integer", "not": {"const": 3}}, 3),
-    "if/then/else": ({"type": "integer", "if": {"minimum": 10}, "then": {"maximum": 20}}, 25),
-    "allOf with several subschemas": ({"allOf": [{"type": "integer"}, {"maximum": 5}]}, 6),
-    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1]),
-    "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, [1]),
-    "dependentRequired": ({**_AB, "dependentRequired": {"a": ["b"]}}, {"a": 1}),
-    "dependentSchemas": ({**_AB, "dependentSchemas": {"a": {"required": ["b"]}}}, {"a": 1}),
-    "unlisted formats": ({"type": "string", "format": "byte"}, "!!"),
+_P = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+_INT = {"type": "integer"}
+# Each entry of SUPPORTED_JSON_SCHEMA["refused"] -> a schema it refuses.
+REFUSED_CASES = {
+    "not": {"type": "integer", "not": {"const": 3}},
+    "if": {"type": "integer", "if": {"minimum": 10}, "then": {"maximum": 20}},
+    "then": {"type": "integer", "then": {"maximum": 20}},
+    "else": {"type": "integer", "else": {"maximum": 20}},
+    "uniqueItems": {"type": "array", "items": _INT, "uniqueItems": True},
+    "contains": {"type": "array", "items": _INT, "contains": {"const": 5}},
+    "minContains": {"type": "array", "minContains": 2},
+    "maxContains": {"type": "array", "maxContains": 2},
+    "dependentRequired": {**_AB, "dependentRequired": {"a": ["b"]}},
+    "dependentSchemas": {**_AB, "dependentSchemas": {"a": {"required": ["b"]}}},
+    "dependencies": {**_AB, "dependencies": {"a": ["b"]}},
+    "unevaluatedItems": {"type": "array", "unevaluatedItems": False},
+    "unevaluatedProperties": {"type": "object", "unevaluatedProperties": False},
+    "additionalItems": {"type": "array", "additionalItems": False},
+    "$dynamicRef": {"$dynamicRef": "#meta"},
+    "$recursiveRef": {"$recursiveRef": "#"},
+    "allOf with several subschemas": {"allOf": [_INT, {"maximum": 5}]},
+    "unlisted formats": {"type": "string", "format": "byte"},
+    "non-local $ref": {"$ref": "https://example.com/schema.json"},
+    "$id below the root": {"$defs": {"a": {"$id": "a.json", **_INT}}, "$ref": "#/$defs/a"},
+    "assertions beside $ref/anyOf/oneOf/allOf": {"$defs": {"a": _INT}, "$ref": "#/$defs/a",
+                                                 "maximum": 3},
+    "type-specific keywords without type": {"minLength": 3},
+    "whatever xgrammar warns it would not enforce": {"oneOf": [_INT, {"type": "number"}]},
+}
+# Found by experiment (xgrammar 0.2.9): the grammar admitted the instance, jsonschema does not.
+WIDENED_CASES = {
+    # Refs xgrammar warned about and read as "any JSON" (None: nothing resolves them offline).
+    "remote ref": ({"$ref": "http://example.com/s.json"}, None),
+    "file ref": ({"properties": {"a": {"$ref": "file:///etc/passwd"}}}, None),
+    "relative ref": ({"$ref": "other.json#/a"}, None),
+    "anchor ref": ({"$defs": {"a": {"$anchor": "x", **_INT}}, "$ref": "#x"}, None),
+    "length beside pattern": ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "abcd"),
+    "length beside format": ({"type": "string", "format": "date", "maxLength": 3}, "2024-01-01"),
+    "multipleOf on number": ({"type": "number", "multipleOf": 0.5}, 0.3),
+    "multipleOf, one bound": ({"type": "integer", "multipleOf": 5, "minimum": 1}, 7),
+    "anchor mid-pattern": ({"type": "string", "pattern": "a^b"}, "ab"),
+    "lookahead": ({"type": "string", "pattern": "a(?=b)"}, "a"),
+    "typeless maximum": ({"maximum": 3}, 5),
+    "typeless minItems": ({"minItems": 2}, [1]),
+    "type beside $ref": ({"$defs": {"a": {"minimum": 3}}, "type": "integer", "$ref": "#/$defs/a"},
+                         2),
+    "type beside anyOf": ({"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": 1}]}, 3),
+    "required not listed": ({"type": "object", "properties": {"a": _INT}, "required": ["b"]},
+                            {"a": 1}),
+    "enum of another type": ({"type": "string", "enum": ["a", 1]}, 1),
+    "const of another type": ({"type": "string", "const": 1}, 1),
+    "bound beside enum": ({"type": "integer", "enum": [1, 5, 9], "maximum": 5}, 9),
+    "pattern beside const": ({"type": "string", "const": "abc", "pattern": "^x"}, "abc"),
+    "format beside enum": ({"type": "string", "format": "date", "enum": ["x"]}, "x"),
+    "propertyNames beside properties": ({"type": "object", "properties": {"ABC": _INT},
+                                         "propertyNames": {"maxLength": 2}}, {"ABC": 1}),
+    "patternProperties beside properties": ({"type": "object", "properties": {"x_a": _INT},
+                                             "patternProperties": {"^x_": {"minimum": 5}}},
+                                            {"x_a": 1}),
 }
 # fmt: on
 
@@ -91,7 +143,7 @@ NOT_ENFORCED_CASES = {
 def test_claims_have_cases():
     assert set(SCHEMA_CASES) == set(SUPPORTED_JSON_SCHEMA["keywords"])
     assert set(FORMAT_CASES) == set(SUPPORTED_JSON_SCHEMA["formats"])
-    assert set(NOT_ENFORCED_CASES) == set(SUPPORTED_JSON_SCHEMA["not_enforced"])
+    assert set(REFUSED_CASES) == set(SUPPORTED_JSON_SCHEMA["refused"])
     assert set(SUPPORTED_JSON_SCHEMA["notes"]) <= set(SCHEMA_CASES)
 
 
@@ -118,7 +170,74 @@ def test_claimed_formats_are_enforced(service, engine_cache):
         assert not accepts(engine_cache, payload, json.dumps(bad)), name
 
 
-def test_not_enforced_keywords_compile_but_do_not_constrain(service, engine_cache):
-    for name, (schema, violation) in NOT_ENFORCED_CASES.items():
-        payload = compile_spec(service, "json_schema", json.dumps(schema))
-        assert accepts(engine_cache, payload, json.dumps(violation)), name
+def test_claimed_keywords_pass_the_subset_check():
+    for keyword, (schema, _, _) in SCHEMA_CASES.items():
+        check_schema_subset(schema)  # raises if the claim and the check disagree
+        assert keyword
+
+
+@pytest.mark.parametrize("rule", list(REFUSED_CASES))
+def test_each_refusal_rule_refuses_before_compiling(service, rule):
+    with pytest.raises(GrammarError) as caught:
+        compile_spec(service, "json_schema", json.dumps(REFUSED_CASES[rule]))
+    assert caught.value.code == "invalid_grammar"
+
+
+@pytest.mark.parametrize("case", list(WIDENED_CASES))
+def test_a_schema_xgrammar_would_widen_is_refused(case):
+    schema, instance = WIDENED_CASES[case]
+    # The instance violates the schema: admitting it would be the widening.
+    assert instance is None or not jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    ).is_valid(instance)
+    with pytest.raises(SchemaRefused):
+        check_schema_subset(schema)
+
+
+def test_refusal_names_the_ref_and_where_it_is():
+    schema = {"type": "object", "properties": {"a b/c": {"$ref": "https://evil.example/x"}}}
+    with pytest.raises(SchemaRefused) as caught:
+        check_schema_subset(schema)
+    assert "'https://evil.example/x'" in caught.value.reason
+    assert caught.value.pointer == "/properties/a b~1c"
+
+
+def test_local_refs_and_annotations_are_accepted():
+    pydantic_like = {
+        "$defs": {"Pet": {"title": "Pet", "type": "object", "required": ["name"],
+                          "properties": {"name": {"type": "string", "title": "Name"}}}},
+        "type": "object", "title": "Owner", "x-vendor": True, "required": ["pet"],
+        "properties": {"pet": {"$ref": "#/$defs/Pet", "description": "the pet"},
+                       "nick": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+                       "next": {"$ref": "#"}},
+    }  # fmt: skip
+    check_schema_subset(pydantic_like)
+
+
+def test_malformed_schemas_are_refused_or_passed_on_never_crash_the_check():
+    """Any JSON document: the check answers SchemaRefused or lets xgrammar judge it; nothing
+    else escapes (it would be a 500)."""
+    import random
+
+    rng = random.Random(0)
+    keys = ["type", "enum", "const", "anyOf", "allOf", "$ref", "$defs", "properties", "required",
+            "items", "patternProperties", "propertyNames", "format", "pattern", "minLength",
+            "multipleOf", "minimum", "$id", "not", "x-vendor"]  # fmt: skip
+    leaves = [None, True, 0, 1.5, "a", "integer", "#", "#/a", "^a$", [], {}]
+
+    def document(depth: int) -> object:
+        roll = rng.random()
+        if depth > 4 or roll < 0.3:
+            return rng.choice(leaves)
+        if roll < 0.5:
+            return [document(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(keys): document(depth + 1) for _ in range(rng.randint(0, 4))}
+
+    outcomes = set()
+    for _ in range(3000):
+        try:
+            check_schema_subset(document(0))
+            outcomes.add("passed")
+        except SchemaRefused:
+            outcomes.add("refused")
+    assert outcomes == {"passed", "refused"}

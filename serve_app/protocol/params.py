@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app import errors
+from serve_app.access import client_json
 from serve_app.protocol.json_schema import schema_json
+from serve_app.protocol.schema_admission import admit_choices, admit_schema
 
 if TYPE_CHECKING:
     from actors.sampling_params import SamplingParams
@@ -107,6 +109,12 @@ class JsonSchemaFormat(StrictModel):
     strict: bool | None = None
     description: str | None = None
 
+    @field_validator("schema_")
+    @classmethod
+    def _admit(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        admit_schema(schema, "response_format.json_schema.schema")
+        return schema
+
 
 class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
@@ -133,16 +141,22 @@ class StructuredOutputs(StrictModel):
     @classmethod
     def _parse_json(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
         if not isinstance(value, str):
+            if value is not None:
+                admit_schema(value, "structured_outputs.json")
             return value
-        try:
-            schema = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise errors.invalid_grammar(
-                f"schema is not valid JSON ({exc})", "structured_outputs.json"
-            ) from None
+        param = "structured_outputs.json"
+        schema = client_json.loads(value, param, syntax_error=errors.invalid_grammar)
         if not isinstance(schema, dict):
             raise errors.invalid_grammar("schema must be a JSON object", "structured_outputs.json")
+        admit_schema(schema, param)
         return schema
+
+    @field_validator("choice")
+    @classmethod
+    def _admit_choices(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            admit_choices(value, "structured_outputs.choice")
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
@@ -198,6 +212,9 @@ class SamplingRequest(StrictModel):
     # Extension (as vLLM names it): each choice carries its generated `token_ids` (a stream
     # chunk: its own), and the response the prompt's `prompt_token_ids`.
     return_token_ids: bool | None = None
+    # Extension (as vLLM names it): each prompt token's logprob plus the top-k alternatives,
+    # as `prompt_logprobs` (docs/logprobs.md).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -227,6 +244,11 @@ class SamplingRequest(StrictModel):
             raise errors.invalid_request(
                 "'stream_options' is only allowed when 'stream' is true.", "stream_options"
             )
+        if self.prompt_logprobs is not None and self.stream:
+            # As vLLM: the stream has no place for them (echo with logprobs has one).
+            raise errors.invalid_request(
+                "'prompt_logprobs' is not available when 'stream' is true.", "prompt_logprobs"
+            )
         if (
             self.min_tokens is not None
             and effective_max_tokens is not None
@@ -251,6 +273,9 @@ class SamplingRequest(StrictModel):
 
     def requested_logprobs(self) -> int | None:
         return None
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -284,6 +309,7 @@ class SamplingRequest(StrictModel):
             "include_stop_str_in_output": bool(self.include_stop_str_in_output),
             "ignore_eos": bool(self.ignore_eos),
             "logprobs": self.requested_logprobs(),
+            "prompt_logprobs": self.requested_prompt_logprobs(),
         }
         try:
             return SamplingParams(**fields)
