@@ -1,6 +1,12 @@
 """The Ray Data `map_batches` callable of `serve-app batch`: one engine per actor, and each
 batch of rows run as one continuous batch (every valid row added, then stepped until done).
 
+In a job (`commit` given) the actor commits its rows itself as they finish (batch_commit.py)
+and returns only their number, so a killed job keeps what had finished; on the board's stop
+it aborts the rows that have not produced a token, lets the others run until the drain
+deadline, aborts what is left (no row: `--resume` runs it) and starts no further call.
+Without `commit` a call returns its rows (the in-process tests use it so).
+
 With tensor_parallel_size > 1 the engine's RayExecutor starts one worker actor per rank in a
 placement group it creates (this actor is not in one), and removes it on shutdown."""
 
@@ -8,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +26,8 @@ from actors.executor import ExecutorError
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
 from actors.llm import LLM
 from actors.torch_thread import TorchThread, favour_step_thread
+from serve_app.batch_commit import CommitPlan, JobLink
+from serve_app.batch_faults import FaultHook, KillPoint
 from serve_app.batch_io import OUTPUT_SCHEMA
 from serve_app.batch_rows import (
     BatchDefaults,
@@ -29,6 +38,7 @@ from serve_app.batch_rows import (
     row_timeout,
     sampling_params,
 )
+from serve_app.checkpoints.prompt_encoding import PromptEncoder
 from serve_app.grammar import GrammarError, GrammarService
 from serve_app.identity import artifact_identity
 
@@ -57,6 +67,9 @@ class BatchEngine:
         num_threads: int = 1,
         model_name: str | None = None,
         engine_options: dict[str, Any] | None = None,
+        commit: CommitPlan | None = None,
+        board: Any = None,
+        kill: KillPoint | None = None,
     ):
         import torch
 
@@ -72,6 +85,8 @@ class BatchEngine:
         self._torch = TorchThread("batch-engine")
         self.llm = self._torch.run(self._build_llm)
         hashes = artifact_identity(model, self.llm.tokenizer.chat_template)
+        # A rebuilt LLM loads the same tokenizer, so this outlives it.
+        self._prompts = PromptEncoder(self.llm.tokenizer)
         self.identity = {
             "model": model_name or Path(model).resolve().name,
             **{k: hashes[k] for k in IDENTITY_COLUMNS[1:]},
@@ -79,6 +94,8 @@ class BatchEngine:
         # Built on the first row that asks for structured output.
         self._grammar: GrammarService | None = None
         self._grammar_cache = CompiledGrammarCache(lambda: load_tokenizer_info(model))
+        self._faults = FaultHook(kill)
+        self._job = JobLink(commit, board, self._faults) if commit is not None else None
 
     def _build_llm(self) -> LLM:
         tp = self.tensor_parallel_size
@@ -89,6 +106,9 @@ class BatchEngine:
         return self._torch.run(self._call, batch)
 
     def _call(self, batch: pa.Table) -> pa.Table:
+        if self._job is not None and not self._job.begin_call():
+            return _count(0)  # stopping: these rows stay for --resume
+        self._faults.reached("call")
         if self.llm.engine.dead is not None:
             # A lost TP worker leaves the engine refusing work: start a fresh one.
             logger.warning("engine is down (%s); starting a new one", self.llm.engine.dead)
@@ -109,21 +129,29 @@ class BatchEngine:
                     timeout_s=row_timeout(row),
                 )
             except RowError as exc:
-                results[i] = self._failed(row, exc.code, exc.message)
+                self._done(results, i, self._failed(row, exc.code, exc.message))
             except RequestRejected as exc:  # a deadline the engine says cannot be met
-                results[i] = self._failed(row, exc.code, str(exc))
+                self._done(results, i, self._failed(row, exc.code, str(exc)))
             except ExecutorError as exc:
-                results[i] = self._failed(row, "engine_error", str(exc))
+                self._done(results, i, self._failed(row, "engine_error", str(exc)))
             except ValueError as exc:  # the engine's own checks, e.g. a KV cache too small
-                results[i] = self._failed(row, "invalid_request", str(exc))
+                self._done(results, i, self._failed(row, "invalid_request", str(exc)))
             else:
                 live[request_id] = _Live(i, len(ids))
         self._run(live, rows, results)
-        return pa.Table.from_pylist(results, schema=OUTPUT_SCHEMA)
+        if self._job is None:
+            return pa.Table.from_pylist(results, schema=OUTPUT_SCHEMA)
+        self._job.end_call()
+        return _count(sum(r is not None for r in results))
+
+    def _done(self, results: list[Any], index: int, row: dict[str, Any]) -> None:
+        results[index] = row
+        if self._job is not None:
+            self._job.finished(row)
 
     def _prepare(self, row: dict[str, Any]) -> tuple[list[int], Any, Any]:
         config = self.llm.model_config
-        ids = prompt_token_ids(row, self.llm.tokenizer)
+        ids = prompt_token_ids(row, self._prompts)
         check_prompt(ids, config.vocab_size, config.max_model_len)
         params = sampling_params(row, self.defaults, len(ids), config.max_model_len)
         spec = grammar_spec(row.get("response_format"))
@@ -131,7 +159,7 @@ class BatchEngine:
 
     def _constraint(self, spec: Any) -> Any:
         if self._grammar is None:
-            self._grammar = GrammarService(self.model, max_threads=1)
+            self._grammar = GrammarService(self.model, max_threads=1, num_workers=1)
         if not self._grammar.available:
             raise RowError("unsupported_parameter", self._grammar.unavailable_reason)
         try:
@@ -145,14 +173,19 @@ class BatchEngine:
     def _run(self, live: dict[str, _Live], rows: list[dict[str, Any]], results: list[Any]) -> None:
         engine = self.llm.engine
         while live and engine.has_unfinished():
+            if self._job is not None and self._job.tick() is not None:
+                self._drain(live)
+                if not live:
+                    break
             try:
                 outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 (a broken step fails its rows, not the job)
                 logger.exception("engine step failed")
                 for state in live.values():
-                    results[state.index] = self._failed(
+                    failed = self._failed(
                         rows[state.index], "engine_error", f"engine step failed: {exc}"
                     )
+                    self._done(results, state.index, failed)
                 engine.fail_all(f"engine step failed: {exc}")  # rebuilt on the next batch
                 return
             for out in outputs:
@@ -166,7 +199,7 @@ class BatchEngine:
                     # engine's fault: not transient.
                     late = out.error_code == "deadline_unmeetable"
                     code = "deadline_unmeetable" if late else "engine_error"
-                    results[state.index] = self._failed(row, code, message, state)
+                    self._done(results, state.index, self._failed(row, code, message, state))
                     del live[out.request_id]
                     continue
                 finish_reason = None
@@ -176,11 +209,25 @@ class BatchEngine:
                     if delta.finish_reason is not None:
                         finish_reason = delta.finish_reason.value
                 if out.finished:
-                    results[state.index] = self._finished(row, state, finish_reason)
+                    self._done(results, state.index, self._finished(row, state, finish_reason))
                     del live[out.request_id]
+        while engine.has_unfinished() and not live:  # the aborted rows' last outputs
+            engine.step()
         for state in live.values():  # not expected: the engine ran out of work early
             message = "the engine stopped before this row finished"
-            results[state.index] = self._failed(rows[state.index], "engine_error", message, state)
+            failed = self._failed(rows[state.index], "engine_error", message, state)
+            self._done(results, state.index, failed)
+
+    def _drain(self, live: dict[str, _Live]) -> None:
+        """The job is stopping: abort rows that have not started, and past the deadline all
+        of them. An aborted row gets no result, so `--resume` runs it."""
+        assert self._job is not None
+        deadline = self._job.drain_deadline()
+        is_late = deadline is not None and time.monotonic() >= deadline
+        for request_id, state in list(live.items()):
+            if is_late or not state.token_ids:
+                self.llm.engine.abort(request_id)
+                del live[request_id]
 
     # ----------------------------------------------------------------------- rows
     def _base(self, row: dict[str, Any], status: str) -> dict[str, Any]:
@@ -229,3 +276,8 @@ class BatchEngine:
             self._grammar.close()
         if getattr(self, "_torch", None) is not None:
             self._torch.shutdown()
+
+
+def _count(num_rows: int) -> pa.Table:
+    """What a committing call returns to Ray Data: its rows are already on disk."""
+    return pa.table({"num_rows": pa.array([num_rows], pa.int64())})

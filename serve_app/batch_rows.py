@@ -1,11 +1,10 @@
 """One input row -> prompt token ids, SamplingParams and a grammar spec, or a RowError naming
 what is wrong with the row (the job goes on; the row becomes a `failed` output row).
 
-Plain functions over a dict row and a tokenizer: no Ray, no engine."""
+Plain functions over a dict row and a prompt encoder: no Ray, no engine."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +12,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from actors.sampling_params import SamplingParams
+from serve_app import errors
+from serve_app.access import client_json
+from serve_app.checkpoints.prompt_encoding import PromptEncoder, UnsafePromptError
 from serve_app.grammar import GrammarSpec
 from serve_app.protocol.params import ResponseFormat, canonical_json, schema_json
 
@@ -77,7 +79,7 @@ def _value(row: dict[str, Any], name: str) -> Any:
     return value
 
 
-def prompt_token_ids(row: dict[str, Any], tokenizer: Any) -> list[int]:
+def prompt_token_ids(row: dict[str, Any], prompts: PromptEncoder) -> list[int]:
     given = [name for name in PROMPT_COLUMNS if _value(row, name) is not None]
     if len(given) != 1:
         found = f"got {', '.join(given)}" if given else "all are missing or null"
@@ -88,17 +90,25 @@ def prompt_token_ids(row: dict[str, Any], tokenizer: Any) -> list[int]:
     if name == "prompt":
         if not isinstance(value, str) or not value:
             raise RowError("invalid_request", "prompt: must be a non-empty string")
-        return tokenizer.encode(value)
+        return _as_text(prompts, value)
     if name == "prompt_token_ids":
         if not isinstance(value, list) or not value:
             raise RowError("invalid_request", "prompt_token_ids: must be a non-empty list")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise RowError("invalid_request", "prompt_token_ids: must be integers")
         return list(value)
-    return _render_chat(value, tokenizer)
+    return _render_chat(value, prompts)
 
 
-def _render_chat(messages: Any, tokenizer: Any) -> list[int]:
+def _as_text(prompts: PromptEncoder, text: str) -> list[int]:
+    """A text prompt is client text: never encoded as control tokens."""
+    try:
+        return prompts.encode_text([text])[0]
+    except UnsafePromptError as exc:
+        raise RowError("invalid_request", f"prompt: {exc}") from None
+
+
+def _render_chat(messages: Any, prompts: PromptEncoder) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise RowError("invalid_request", "messages: must be a non-empty list")
     clean = []
@@ -112,14 +122,15 @@ def _render_chat(messages: Any, tokenizer: Any) -> list[int]:
         if not isinstance(message.get("content", ""), str):
             raise RowError("invalid_request", f"messages[{i}].content: must be a string")
         clean.append(message)
-    if not tokenizer.chat_template:
+    if not prompts.chat_template:
         raise RowError("invalid_request", "messages: this model has no chat template")
     try:
-        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+        # Control-token text in the content stays text; the template wrote the real ones.
+        return prompts.render(clean, add_generation_prompt=True)
+    except UnsafePromptError as exc:
+        raise RowError("invalid_request", f"messages: {exc}") from None
     except Exception as exc:  # noqa: BLE001 (a template error is about this row's input)
         raise RowError("invalid_request", f"messages: chat template failed: {exc}") from None
-    # The template wrote the special tokens already.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:
@@ -189,9 +200,9 @@ def grammar_spec(raw: Any) -> GrammarSpec | None:
     if not isinstance(raw, str):
         raise RowError("invalid_request", "response_format: must be a JSON string")
     try:
-        spec = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise RowError("invalid_request", f"response_format: not valid JSON ({exc})") from None
+        spec = client_json.loads(raw, "response_format")
+    except errors.APIError as exc:
+        raise RowError("invalid_request", exc.message) from None
     if not isinstance(spec, dict):
         raise RowError("invalid_request", "response_format: must be a JSON object")
     if "type" in spec:
@@ -225,6 +236,8 @@ def _openai_format(spec: dict[str, Any]) -> GrammarSpec | None:
             f"{'.'.join(map(str, e['loc'])) or 'response_format'}: {e['msg']}" for e in exc.errors()
         )
         raise RowError("invalid_request", f"response_format: {reasons}") from None
+    except errors.APIError as exc:  # the schema's limits or exactness (schema_admission)
+        raise RowError(exc.code, exc.message) from None
     if rf.type == "text":
         return None
     if rf.type == "json_object":
