@@ -83,9 +83,11 @@ class AsyncEngine:
         priority: int = 0,
         timeout_s: float | None = None,
         attempt: int = 0,
+        cache_namespace: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Stream one attempt's outputs; leaving the iterator early aborts it. Every output
-        carries its attempt number; outputs of a closed attempt are never delivered."""
+        carries its attempt number; outputs of a closed attempt are never delivered. Cached
+        prefix blocks are shared only within `cache_namespace`."""
         if self.core.dead is not None:
             raise ExecutorError(f"engine is not running: {self.core.dead}")
         if request_id in self._live_attempts:
@@ -96,7 +98,9 @@ class AsyncEngine:
         stream = OutputStream(request_id, attempt, self.output_queue_size)
         self._streams[core_id] = stream
         self._live_attempts[request_id] = core_id
-        add = self._add_command(core_id, prompt_token_ids, params, grammar, priority, timeout_s)
+        add = self._add_command(
+            core_id, prompt_token_ids, params, grammar, priority, timeout_s, cache_namespace
+        )
         self._submit(add)
         task = None
         if grammar is not None:
@@ -127,6 +131,7 @@ class AsyncEngine:
         grammar: Awaitable[object] | None,
         priority: int,
         timeout_s: float | None,
+        cache_namespace: str = "",
     ) -> Command:
         awaiting = grammar is not None
 
@@ -139,6 +144,7 @@ class AsyncEngine:
                     priority,
                     awaiting_constraint=awaiting,
                     timeout_s=timeout_s,
+                    cache_namespace=cache_namespace,
                 )
             except Exception as exc:  # noqa: BLE001 (reported to this request's stream)
                 code = exc.code if isinstance(exc, RequestRejected) else "internal_error"

@@ -2,7 +2,8 @@
 
 Plain CPU Python: the tensors live in the workers; this only hands out block ids.
 Invariants: a block is either referenced (ref_count > 0) or in the free queue, never both;
-`cached` maps a chain hash to the one block holding that content.
+`cached` maps a chain hash to the one block holding that content. Every chain starts from its
+sequence's cache namespace, so sequences of different namespaces never share a block.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from functools import lru_cache
 
 from actors.request import Sequence
 
@@ -20,6 +22,16 @@ def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     h = hashlib.sha256(parent or b"")
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+@lru_cache(maxsize=4096)
+def namespace_root(namespace: str) -> bytes:
+    """The parent digest of a sequence's first block. The caller picks the namespace (the
+    service: one per tenant); the same tokens under two namespaces hash apart all the way down
+    the chain, so one namespace can neither hit nor time another's cached prefix."""
+    return hashlib.sha256(
+        b"prefix-cache-namespace\0" + namespace.encode("utf-8", "surrogatepass")
+    ).digest()
 
 
 class BlockManager:
@@ -44,9 +56,10 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _full_block_hashes(self, token_ids: list[int], num_tokens: int) -> list[bytes]:
+    def _full_block_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         hashes: list[bytes] = []
-        parent = None
+        parent = namespace_root(seq.cache_namespace)
+        token_ids = seq.token_ids
         for start in range(0, num_tokens - self.block_size + 1, self.block_size):
             parent = chain_hash(parent, tuple(token_ids[start : start + self.block_size]))
             hashes.append(parent)
@@ -57,7 +70,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        for h in self._full_block_hashes(seq.token_ids, seq.num_tokens - 1):
+        for h in self._full_block_hashes(seq, seq.num_tokens - 1):
             block = self.cached.get(h)
             if block is None:
                 break
@@ -101,7 +114,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else namespace_root(seq.cache_namespace)
         for i in range(len(seq.block_hashes), num_full):
             start = i * self.block_size
             parent = chain_hash(parent, tuple(seq.token_ids[start : start + self.block_size]))

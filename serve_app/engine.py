@@ -94,6 +94,7 @@ class EngineService:
             priority=request.priority,
             timeout_s=request.timeout_s,
             attempt=request.attempt,
+            cache_namespace=request.cache_namespace,
         )
         key = request.flow_key
         # Tracked from the first output on: the engine knows the request by then.

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from actors.sampling_params import SamplingParams
 from serve_app import errors
+from serve_app.access.prefix_scope import prefix_namespace
 from serve_app.auth import Principal, principal_of, require_model, require_profile
 from serve_app.config import ServeConfig
 from serve_app.generation_protocol import GenerationCreate
@@ -80,6 +81,9 @@ class GenerationAdmission:
         )
         plan.turn = turn
         plan.turn_messages = new_messages
+        plan.cache_namespace = prefix_namespace(
+            principal.tenant, self.config.engine.shared_prefix_tenants
+        )
         if key is not None:
             expires_at = time.time() + self.options.idempotency_ttl_s
             plan.idempotency = IdempotencyKey(OPERATION, key, req.body_hash(), expires_at)
@@ -170,7 +174,8 @@ class GenerationAdmission:
         if model not in allowed:
             raise errors.profile_mismatch(
                 "model_not_allowed",
-                f"Profile '{profile.name}' runs on {', '.join(allowed)}, not '{model}'.",
+                f"Profile '{profile.name}' runs on {', '.join(allowed)}, not "
+                f"'{errors.echo(model)}'.",
                 "model",
             )
         return model

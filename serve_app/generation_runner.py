@@ -69,6 +69,8 @@ class Plan:
     # Called once when the generation ends (or is never created) with the tokens it used:
     # settles the key's budget reservation.
     on_end: Callable[[int], None] | None = None
+    # The engine's prefix-cache namespace, derived from the authenticated tenant.
+    cache_namespace: str = ""
 
     def end(self, num_tokens: int) -> None:
         on_end, self.on_end = self.on_end, None
@@ -211,7 +213,12 @@ class GenerationRunner:
             box = [ref]  # boxed: prefill overlaps compilation
         timeout_s = max(plan.deadline - time.time(), 0.001)
         request = EngineRequest(
-            plan.record.id, plan.prompt_ids, plan.params, grammar=box, timeout_s=timeout_s
+            plan.record.id,
+            plan.prompt_ids,
+            plan.params,
+            grammar=box,
+            timeout_s=timeout_s,
+            cache_namespace=plan.cache_namespace,
         )
         live.stream = stream = self.engine.generate.remote(request)
         if live.is_cancel_requested:

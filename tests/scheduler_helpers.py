@@ -22,6 +22,7 @@ def make_seq(
     leader: Sequence | None = None,
     index: int = 0,
     name: str | None = None,
+    namespace: str = "",
 ) -> Sequence:
     """A sequence; an int prompt means that many tokens no other sequence shares."""
     n = next(_ids)
@@ -37,6 +38,7 @@ def make_seq(
         params=SamplingParams(max_tokens=max_tokens),
         priority=priority,
         leader=leader,
+        cache_namespace=namespace,
     )
 
 

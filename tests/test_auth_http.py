@@ -44,7 +44,13 @@ KEYS = {
     "key-conc": {"id": "conc", "tenant": "alpha", "limits": {"max_concurrent_requests": 1}},
     "key-rate": {"id": "rate", "tenant": "alpha", "limits": {"tokens_per_minute": 200}},
     "key-admin": {"id": "ops", "tenant": "ops", "admin": True},
+    # Prefix-cache scope: gamma and delta pool one cache (SHARED_PREFIX_TENANTS); epsilon is
+    # a tenant only those tests use, so its cache holds nothing they did not send.
+    "key-gamma": {"id": "gamma", "tenant": "gamma"},
+    "key-delta": {"id": "delta", "tenant": "delta"},
+    "key-epsilon": {"id": "epsilon", "tenant": "epsilon"},
 }
+SHARED_PREFIX_TENANTS = ["gamma", "delta"]
 
 
 PROFILE = "support_reply_v3"
@@ -65,7 +71,6 @@ def deploy(config: ServeConfig, url: str) -> None:
 def keyed(serve_url, ray_session, model_dirs, tmp_path_factory, postgres_server) -> Keyed:
     from ray import serve
 
-    from serve_app.admin import start_admin
     from serve_app.profiles import GenerationOptions, Profile
 
     path: Path = tmp_path_factory.mktemp("keys") / "keys.yaml"
@@ -85,17 +90,13 @@ def keyed(serve_url, ray_session, model_dirs, tmp_path_factory, postgres_server)
         generations=GenerationOptions(
             profiles=(profile,), data_dir=str(tmp_path_factory.mktemp("keyed-data"))
         ),
-        engine={"kv_cache_bytes": 32 * 1024**2},
-    )
-    admin = start_admin(
-        config.model_id, config.admin_host, config.admin_port, None, config.api_keys
+        engine={"kv_cache_bytes": 32 * 1024**2, "shared_prefix_tenants": SHARED_PREFIX_TENANTS},
     )
     url = f"{serve_url}{PREFIX}"
     try:
         deploy(config, url)
         yield Keyed(url, f"http://127.0.0.1:{config.admin_port}", config)
     finally:
-        ray_session.kill(admin)
         serve.delete(APP)
         drop_database(postgres_server, store_url)
 
@@ -163,7 +164,9 @@ def test_a_model_the_key_may_not_use_is_403(keyed: Keyed):
 
 def test_admin_port_takes_only_keys_with_the_admin_permission(keyed: Keyed):
     stats = f"{keyed.admin_url}/admin/v1/stats"
-    assert httpx.get(stats).status_code == 401
+    refused = httpx.get(stats)
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert error_of(refused)["code"] == "invalid_api_key"
     r = httpx.get(stats, headers={"Authorization": "Bearer key-alpha"})
     assert r.status_code == 403 and error_of(r)["code"] == "admin_not_permitted"
     r = httpx.get(stats, headers={"Authorization": "Bearer key-admin"})
@@ -171,6 +174,19 @@ def test_admin_port_takes_only_keys_with_the_admin_permission(keyed: Keyed):
     # The admin API is never routed on the public port, whatever the key.
     r = httpx.get(f"{keyed.url}/admin/v1/stats", headers={"Authorization": "Bearer key-admin"})
     assert r.status_code == 404
+
+
+def test_serves_route_table_needs_a_key_while_health_stays_open(keyed: Keyed):
+    """Serve's proxy answers /-/routes itself: the keyed app's ingress gave it its keys."""
+    root = keyed.url.removesuffix(PREFIX)
+    r = httpx.get(f"{root}/-/routes")
+    assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+    assert r.headers["www-authenticate"] == "Bearer" and PREFIX not in r.text
+    r = httpx.get(f"{root}/-/routes", headers={"Authorization": "Bearer key-wrong"})
+    assert r.status_code == 401
+    r = httpx.get(f"{root}/-/routes", headers={"Authorization": "Bearer key-beta"})
+    assert r.status_code == 200 and PREFIX in r.json()
+    assert httpx.get(f"{root}/-/healthz").status_code == 200
 
 
 # ------------------------------------------------------------------------ 413 / 400
@@ -368,6 +384,98 @@ def test_a_running_background_generation_holds_its_key_slot_until_it_ends(keyed:
         time.sleep(0.1)
     assert ledger_usage("conc")["live_requests"] == 0
     assert create_generation(keyed, "key-conc", max_output_tokens=2).status_code == 200
+
+
+# ------------------------------------------------------------------ prefix-cache scope
+
+PREFIX_TOKENS = 512
+
+
+def token_prompts(keyed: Keyed, count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of PREFIX_TOKENS random in-vocabulary ids: no two share a block."""
+    import random
+
+    vocab = json.loads((Path(keyed.config.model) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(PREFIX_TOKENS)] for _ in range(count)]
+
+
+def timed_completion(http: httpx.Client, keyed: Keyed, key: str, prompt: list[int]):
+    """(seconds to the first content chunk, usage.prompt_tokens_details.cached_tokens) of a
+    streamed completion."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 2,
+        "logprobs": 1,  # every token is a chunk, even one without printable text
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    ttft, usage = None, None
+    start = time.perf_counter()
+    with http.stream("POST", f"{keyed.url}/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk["choices"] and ttft is None:
+                ttft = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+    assert ttft is not None and usage["prompt_tokens"] == PREFIX_TOKENS
+    return ttft, usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_another_tenant_neither_hits_nor_times_a_cached_prefix(keyed: Keyed):
+    import statistics
+
+    probed, cold = token_prompts(keyed, 5, seed=1), token_prompts(keyed, 7, seed=2)
+    times: dict[str, list[float]] = {"other": [], "cold": []}
+    with httpx.Client(timeout=120) as http:
+        for prompt in cold[5:]:  # warm-up: the first requests of a connection run slower
+            timed_completion(http, keyed, "key-epsilon", prompt)
+        for i, prefix in enumerate(probed):
+            assert timed_completion(http, keyed, "key-alpha", prefix)[1] == 0
+            # Alternate which goes first, so drift on a shared machine hits both alike.
+            runs = [("other", prefix), ("cold", cold[i])][:: 1 if i % 2 else -1]
+            for name, prompt in runs:
+                ttft, cached = timed_completion(http, keyed, "key-epsilon", prompt)
+                assert cached == 0, f"{name}: tenant epsilon hit {cached} cached tokens"
+                times[name].append(ttft)
+            # Alpha's own repeat hits every full block but the one holding the last token.
+            shared = PREFIX_TOKENS - keyed.config.engine.block_size
+            assert timed_completion(http, keyed, "key-alpha", prefix)[1] == shared
+    # A hit would make the other tenant's first token come sooner than a cold one's.
+    other, cold_ttft = statistics.median(times["other"]), statistics.median(times["cold"])
+    assert other >= cold_ttft / 1.2, times
+    info = httpx.get(f"{keyed.url}/v1/server_info", headers={"Authorization": "Bearer key-alpha"})
+    scope = info.json()["prefix_cache"]
+    assert scope["scope"] == "tenant" and scope["client_selectable"] is False
+    assert scope["num_shared_prefix_tenants"] == len(SHARED_PREFIX_TENANTS)
+
+
+def test_tenants_the_operator_pools_share_cached_prefixes(keyed: Keyed):
+    (prefix,) = token_prompts(keyed, 1, seed=3)
+    with httpx.Client(timeout=120) as http:
+        assert timed_completion(http, keyed, "key-gamma", prefix)[1] == 0
+        shared = PREFIX_TOKENS - keyed.config.engine.block_size
+        assert timed_completion(http, keyed, "key-delta", prefix)[1] == shared
+        # A tenant outside the pool still sees nothing of it.
+        assert timed_completion(http, keyed, "key-epsilon", prefix)[1] == 0
+
+
+def test_a_generation_reuses_only_its_own_tenant_prefix(keyed: Keyed):
+    text = " ".join(f"item {i} arrived damaged;" for i in range(60))
+
+    def cached_input(key: str) -> int:
+        r = create_generation(keyed, key, input=text, max_output_tokens=2)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["cached_input_tokens"]
+
+    cached_input("key-alpha")
+    assert cached_input("key-alpha") > 0
+    assert cached_input("key-epsilon") == 0
 
 
 def test_completed_generations_survive_a_restart_on_postgresql(keyed: Keyed):

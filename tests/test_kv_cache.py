@@ -13,7 +13,7 @@ from actors.sampling_params import SamplingParams
 _ids = itertools.count()
 
 
-def make_seq(token_ids: list[int], max_tokens: int = 16) -> Sequence:
+def make_seq(token_ids: list[int], max_tokens: int = 16, namespace: str = "") -> Sequence:
     n = next(_ids)
     return Sequence(
         seq_id=f"s{n}#0",
@@ -22,6 +22,7 @@ def make_seq(token_ids: list[int], max_tokens: int = 16) -> Sequence:
         token_ids=list(token_ids),
         num_prompt_tokens=len(token_ids),
         params=SamplingParams(max_tokens=max_tokens),
+        cache_namespace=namespace,
     )
 
 
@@ -342,3 +343,45 @@ def test_reset_prefix_cache_forgets_only_unused_blocks() -> None:
     assert bm.match_prefix(make_seq(dropped)) == []
     assert bm.match_prefix(make_seq(kept)) == live.block_table[:2]
     assert_consistent(bm, [live])
+
+
+# ------------------------------------------------------------------ cache namespaces
+
+
+@pytest.mark.parametrize(
+    ("first_ns", "second_ns", "expected_hits"),
+    [
+        ("tenant:a", "tenant:a", 2),
+        ("tenant:a", "tenant:b", 0),
+        ("", "tenant:a", 0),
+        ("tenant:a", "", 0),
+    ],
+)
+def test_cached_blocks_are_shared_only_within_one_namespace(
+    first_ns: str, second_ns: str, expected_hits: int
+) -> None:
+    bm = BlockManager(num_blocks=16, block_size=16)
+    prompt = fresh_tokens(40)
+    first = make_seq(prompt, namespace=first_ns)
+    compute_prompt(bm, first)
+    second = make_seq(prompt, namespace=second_ns)
+    assert bm.match_prefix(second) == first.block_table[:expected_hits]
+    compute_prompt(bm, second)
+    shared = set(first.block_table) & set(second.block_table)
+    assert len(shared) == expected_hits
+    # Each namespace keeps its own copy cached: a third request of either one hits its own.
+    for seq in (first, second):
+        again = make_seq(prompt + [1], namespace=seq.cache_namespace)
+        assert bm.match_prefix(again) == seq.block_table[:2]
+    assert_consistent(bm, [first, second])
+
+
+def test_a_namespace_never_meets_another_further_down_the_chain() -> None:
+    # Whole chains differ, not only the first block: no later block lines up either.
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = fresh_tokens(13)
+    a, b = make_seq(prompt, namespace="x"), make_seq(prompt, namespace="y")
+    compute_prompt(bm, a)
+    compute_prompt(bm, b)
+    assert len(a.block_hashes) == len(b.block_hashes) == 3
+    assert not set(a.block_hashes) & set(b.block_hashes)

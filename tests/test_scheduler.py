@@ -146,11 +146,15 @@ def test_adding_a_scheduled_sequence_twice_is_refused() -> None:
 # ------------------------------------------------------------------------- preemption
 
 
-def test_out_of_blocks_preempts_the_latest_by_recompute_and_it_still_completes() -> None:
+# Namespaces of a and b: one shared, or one each (tenants): recompute hits its own blocks.
+@pytest.mark.parametrize("namespaces", [("", ""), ("tenant:a", "tenant:b")])
+def test_out_of_blocks_preempts_the_latest_by_recompute_and_it_still_completes(
+    namespaces: tuple[str, str],
+) -> None:
     # 5 blocks of 4 tokens; two 6-token prompts outgrow them after a few decodes.
     sched = make_scheduler(num_blocks=5, block_size=4)
-    a = make_seq(6, max_tokens=8)
-    b = make_seq(6, max_tokens=4)
+    a = make_seq(6, max_tokens=8, namespace=namespaces[0])
+    b = make_seq(6, max_tokens=4, namespace=namespaces[1])
     sched.add(a)
     sched.add(b)
     outs = [step(sched) for _ in range(3)]
@@ -361,6 +365,30 @@ def test_samples_wait_for_the_leader_prompt_then_share_its_blocks(
 
     run(sched)
     assert all(s.num_output_tokens == 3 for s in (leader, *samples))
+    assert_all_blocks_free(sched)
+
+
+def test_samples_share_the_leader_prompt_but_another_namespace_does_not() -> None:
+    sched = make_scheduler()
+    leader = make_seq(40, max_tokens=3, namespace="tenant:a")
+    sample = make_seq(
+        leader.prompt_token_ids, max_tokens=3, leader=leader, index=1, namespace="tenant:a"
+    )
+    sched.add(leader)
+    sched.add(sample)
+    step(sched)  # the leader's prompt is computed and cached
+    other = make_seq(leader.prompt_token_ids, max_tokens=3, namespace="tenant:b")
+    sched.add(other)
+    out = step(sched)
+    assert {(s.seq, s.num_new_tokens) for s in out.scheduled} == {
+        (leader, 1),
+        (sample, 8),
+        (other, 40),
+    }
+    assert sample.num_cached_tokens == 32 and sample.block_table[:2] == leader.block_table[:2]
+    assert other.num_cached_tokens == 0
+    assert not set(other.block_table) & set(leader.block_table)
+    run(sched)
     assert_all_blocks_free(sched)
 
 
