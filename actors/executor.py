@@ -7,6 +7,7 @@ StepOutput; any rank failure raises `ExecutorError` (never hangs) and marks it u
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 from actors.config import CacheConfig, ModelConfig, ParallelConfig, check_tensor_parallel
 from actors.messages import StepInput, StepOutput
@@ -34,6 +35,17 @@ class Executor(abc.ABC):
 
     def shard_info(self) -> list[dict[str, object]]:
         return []
+
+    def releaser(self) -> Callable[[], None]:
+        """A callable that frees what this executor holds outside the process (rank actors,
+        placement groups), idempotent and holding no reference to the executor: a finalizer
+        keeps it to release an owner dropped without `shutdown`. In-process memory needs none
+        (it goes with the objects)."""
+        return _release_nothing
+
+
+def _release_nothing() -> None:
+    return None
 
 
 class InProcessExecutor(Executor):

@@ -1,8 +1,15 @@
-"""The offline facade: `LLM(model=DIR).generate(prompts, params)`, vLLM-like."""
+"""The offline facade: `LLM(model=DIR or FILE.gguf).generate(prompts, params)`, vLLM-like.
+
+An `LLM` holds its model and KV cache, and at TP > 1 a placement group and one Ray actor per
+rank. `close()` (or leaving a `with LLM(...)` block) releases them; an `LLM` dropped without
+either (`del llm`, a notebook cell that rebinds the name) releases its ranks and group
+through a finalizer.
+"""
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -14,6 +21,10 @@ from actors.platform import resolve_dtype
 from actors.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+
+
+class LLMClosedError(RuntimeError):
+    """The LLM was closed: its model, KV cache and ranks are gone."""
 
 
 def load_tokenizer(model: str):
@@ -37,12 +48,17 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 1024,
         placement_strategy: str = "STRICT_PACK",
+        placement_timeout_s: float = 60.0,
     ):
+        from actors.models.gguf import resolve_checkpoint
+
+        # A GGUF file is dequantized once into a cached checkpoint folder (actors/models/gguf.py).
+        model = resolve_checkpoint(model)
         self.model_config = ModelConfig.from_pretrained(
             model, dtype=resolve_dtype(dtype), max_model_len=max_model_len
         )
         self.tokenizer = load_tokenizer(model)
-        self.engine = EngineCore(
+        engine = EngineCore(
             self.model_config,
             self.tokenizer.backend_tokenizer,
             CacheConfig(
@@ -51,11 +67,45 @@ class LLM:
                 num_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
             ),
-            ParallelConfig(tensor_parallel_size, placement_strategy),
+            ParallelConfig(tensor_parallel_size, placement_strategy, placement_timeout_s),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             seed=seed,
         )
+        self._engine: EngineCore | None = engine
+        # NOTE: the finalizer keeps only the executor's releaser (rank actors, placement
+        # group), never `self` or the engine, so an unreferenced LLM can still be collected.
+        self._finalizer = weakref.finalize(self, engine.executor.releaser())
+        # At interpreter exit Ray ends the driver's job and takes its groups and actors
+        # with it; calling into a Ray that is shutting down would only risk a hang.
+        self._finalizer.atexit = False
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> EngineCore:
+        if self._engine is None:
+            raise LLMClosedError("this LLM is closed; create a new LLM(...) to generate again")
+        return self._engine
+
+    @property
+    def is_closed(self) -> bool:
+        return self._engine is None
+
+    def close(self) -> None:
+        """Release the ranks, the placement group, the model and the KV cache; idempotent.
+        Any later `generate` raises `LLMClosedError`."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        try:
+            engine.shutdown()
+        finally:
+            self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -102,6 +152,8 @@ class LLM:
                     raise ExecutorError(f"generation failed: {out.error}")
                 result = results[out.request_id]
                 result.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 for delta in out.deltas:
                     result.outputs[delta.index].add(delta)
         return [results[r] for r in order]
@@ -110,4 +162,5 @@ class LLM:
         return self.engine.stats()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """The same as `close()` (the name the engine classes use)."""
+        self.close()

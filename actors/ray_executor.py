@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -24,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.config import CacheConfig, ModelConfig, ParallelConfig
 from actors.executor import Executor, ExecutorError
 from actors.messages import StepInput, StepOutput
+from actors.placement_failure import executor_group_name, placement_failure_message
 from actors.worker import RayWorkerShell
 
 logger = logging.getLogger(__name__)
@@ -42,18 +44,30 @@ def cluster_has_gpus() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def placement_failure_message(bundles: list[dict], strategy: str, timeout_s: float) -> str:
-    """Names the bundles, what they need together, and the largest node of the cluster."""
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    largest = max(nodes, key=lambda r: (r.get("GPU", 0), r.get("CPU", 0)), default={})
-    have = {k: largest[k] for k in ("CPU", "GPU") if k in largest}
-    need = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
-    need = {k: v for k, v in need.items() if v}
-    where = " on one node" if strategy == "STRICT_PACK" else ""
-    return (
-        f"placement group {bundles} ({strategy}) could not be placed within {timeout_s:g}s: "
-        f"it needs {need}{where}; the largest of the {len(nodes)} nodes has {have}"
-    )
+class RankResources:
+    """What an executor holds outside this process: its rank actors and the placement group
+    it created (None when it runs in its caller's group). Holds nothing else, so a finalizer
+    may keep it without keeping the executor or its owner alive."""
+
+    def __init__(self) -> None:
+        self.workers: list[ray.actor.ActorHandle] = []
+        self.placement_group: PlacementGroup | None = None
+
+    def release(self) -> None:
+        """Kill the ranks and remove the group; idempotent, and safe once Ray is gone."""
+        workers, self.workers = self.workers, []
+        group, self.placement_group = self.placement_group, None
+        if not ray.is_initialized():
+            return  # Ray's shutdown already took them.
+        for w in workers:
+            # An already dead worker is fine.
+            with contextlib.suppress(Exception):
+                ray.kill(w)
+        if group is not None:
+            try:
+                remove_placement_group(group)
+            except Exception as exc:  # noqa: BLE001 (e.g. a group of an earlier Ray session)
+                logger.warning("could not remove placement group %s: %s", group.id.hex(), exc)
 
 
 class RayExecutor(Executor):
@@ -68,28 +82,27 @@ class RayExecutor(Executor):
             ray.init(address="local", log_to_driver=False)
         self.tp = parallel_config.tensor_parallel_size
         self._healthy = True
-        self._owned_pg: PlacementGroup | None = None
+        self.held = RankResources()
         pg, first_bundle = self._placement_group(parallel_config)
         bundles = pg.bundle_specs
-        self.workers = []
-        for rank in range(self.tp):
-            bundle = bundles[first_bundle + rank]
-            resources = _bundle_resource(bundle)
-            actor = ray.remote(RayWorkerShell).options(
-                **resources,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=first_bundle + rank
-                ),
-            )
-            self.workers.append(actor.remote(int(bundle.get("CPU", 0))))
         try:
+            for rank in range(self.tp):
+                bundle = bundles[first_bundle + rank]
+                resources = _bundle_resource(bundle)
+                actor = ray.remote(RayWorkerShell).options(
+                    **resources,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=first_bundle + rank
+                    ),
+                )
+                self.held.workers.append(actor.remote(int(bundle.get("CPU", 0))))
             address = ray.get(self.workers[0].rendezvous_address.remote())
             self._all(
                 lambda rank, w: w.init_worker.remote(
                     model_config, cache_config, rank, self.tp, address, seed
                 )
             )
-        except Exception:
+        except BaseException:
             self.shutdown()
             raise
 
@@ -107,18 +120,34 @@ class RayExecutor(Executor):
             )
         use_gpu = cluster_has_gpus() if config.use_gpu is None else config.use_gpu
         bundles = rank_bundles(self.tp, use_gpu)
-        pg = placement_group(bundles, strategy=config.placement_strategy)
+        pg = placement_group(
+            bundles, strategy=config.placement_strategy, name=executor_group_name()
+        )
         try:
             ray.get(pg.ready(), timeout=config.placement_timeout_s)
         except GetTimeoutError:
+            # Described while the group still waits, so the message sees the cluster as it was.
+            message = placement_failure_message(
+                bundles, config.placement_strategy, config.placement_timeout_s
+            )
             remove_placement_group(pg)
-            raise RuntimeError(
-                placement_failure_message(
-                    bundles, config.placement_strategy, config.placement_timeout_s
-                )
-            ) from None
-        self._owned_pg = pg
+            raise RuntimeError(message) from None
+        except BaseException:
+            # e.g. Ctrl-C in a notebook during the wait: a group left behind would be placed
+            # later and hold its resources for the rest of the driver's life.
+            remove_placement_group(pg)
+            raise
+        self.held.placement_group = pg
         return pg, 0
+
+    @property
+    def workers(self) -> list[ray.actor.ActorHandle]:
+        return self.held.workers
+
+    @property
+    def placement_group(self) -> PlacementGroup | None:
+        """The group this executor created and removes at shutdown (None: the caller's)."""
+        return self.held.placement_group
 
     def _all(self, call, timeout: float | None = None) -> list:
         """Run `call(rank, worker)` on every rank; the first failure raises at once."""
@@ -172,11 +201,7 @@ class RayExecutor(Executor):
         return (time.perf_counter() - start) / repeats
 
     def shutdown(self) -> None:
-        for w in self.workers:
-            # An already dead worker is fine.
-            with contextlib.suppress(Exception):
-                ray.kill(w)
-        self.workers = []
-        if self._owned_pg is not None:
-            remove_placement_group(self._owned_pg)
-            self._owned_pg = None
+        self.held.release()
+
+    def releaser(self) -> Callable[[], None]:
+        return self.held.release

@@ -2,7 +2,8 @@
 
 Serve keeps a replica whose resources no node offers pending for ever. The server instead
 gives each engine replica `engine.placement_timeout_s` to be placed; after that it tears the
-application down and fails with a message naming the bundles and the largest node.
+application down and fails with a message naming the bundles, the largest node, what each
+node has free and what holds the rest (actors/placement_failure.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import ray
 
-from actors.ray_executor import placement_failure_message
+from actors.placement_failure import fits_some_node, placement_failure_message
 from serve_app.config import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -75,17 +76,7 @@ def fits_the_cluster(bundles: list[dict[str, float]], strategy: str) -> bool:
     resources in total, busy or not: a request that fits waits for them; one that never
     can is what the placement timeout is for."""
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-
-    def fits(need: dict[str, float], node: dict[str, float]) -> bool:
-        return all(node.get(k, 0.0) >= v for k, v in need.items())
-
-    if strategy == "STRICT_PACK":
-        total: dict[str, float] = {}
-        for bundle in bundles:
-            for k, v in bundle.items():
-                total[k] = total.get(k, 0.0) + v
-        return any(fits(total, node) for node in nodes)
-    return all(any(fits(b, node) for node in nodes) for b in bundles)
+    return fits_some_node(bundles, strategy, nodes)
 
 
 def wait_deployed(
