@@ -24,7 +24,7 @@ from actors.detokenizer import IncrementalDetokenizer
 from actors.executor import ExecutorError, make_executor
 from actors.grammar_state import allocate_bitmask
 from actors.kv_cache import BlockManager
-from actors.messages import NewSeqData, ScheduledItem, StepInput, StepOutput
+from actors.messages import NewSeqData, ScheduledItem, StepInput, StepOutput, TokenLogprobs
 from actors.outputs import CompletionDelta, RequestOutput
 from actors.request import FinishReason, Sequence
 from actors.sampler import NO_TOKEN
@@ -41,10 +41,22 @@ class _RequestState:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
     pending: dict[int, CompletionDelta] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """The whole prompt's logprobs, once, as soon as sample 0 has them all (before any
+        sample is drawn: the prompt is computed first); index 0 has none."""
+        seq0 = self.seqs[0]
+        if self.prompt_logprobs_sent or seq0.params.prompt_logprobs is None:
+            return None
+        if seq0.wants_prompt_logprobs:
+            return None
+        self.prompt_logprobs_sent = True
+        return [None, *seq0.prompt_logprobs]
 
 
 class EngineCore:
@@ -66,15 +78,11 @@ class EngineCore:
         self.executor = make_executor(
             model_config, self.cache_config, parallel_config or ParallelConfig(), seed
         )
-        # More blocks than a full batch of longest sequences (twice, for the prefix cache)
-        # would only cost memory.
-        per_seq = -(-model_config.max_model_len // self.cache_config.block_size)
-        num_blocks = min(
-            self.executor.determine_num_blocks(), 2 * per_seq * self.scheduler_config.max_num_seqs
-        )
-        if self.cache_config.num_blocks is not None:
-            num_blocks = self.cache_config.num_blocks
-        self.executor.init_kv_cache(num_blocks)
+        try:
+            num_blocks = self._init_kv_cache()
+        except BaseException:
+            self.executor.shutdown()  # its ranks and placement group, not left to the driver
+            raise
         self.block_manager = BlockManager(
             num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
         )
@@ -91,6 +99,18 @@ class EngineCore:
         self.deadlines = DeadlineTracker()
         # Set once a worker failed: the engine then refuses work and reports unhealthy.
         self.dead: str | None = None
+
+    def _init_kv_cache(self) -> int:
+        # More blocks than a full batch of longest sequences (twice, for the prefix cache)
+        # would only cost memory.
+        per_seq = -(-self.model_config.max_model_len // self.cache_config.block_size)
+        num_blocks = min(
+            self.executor.determine_num_blocks(), 2 * per_seq * self.scheduler_config.max_num_seqs
+        )
+        if self.cache_config.num_blocks is not None:
+            num_blocks = self.cache_config.num_blocks
+        self.executor.init_kv_cache(num_blocks)
+        return num_blocks
 
     # ------------------------------------------------------------------ requests
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -115,9 +135,11 @@ class EngineCore:
         constraints: list[object] | None = None,
         awaiting_constraint: bool = False,
         timeout_s: float | None = None,
+        cache_namespace: str = "",
     ) -> None:
         """Queue a request. With `awaiting_constraint`, prefill may start before the grammar
-        is ready; `set_constraints` releases the first sample."""
+        is ready; `set_constraints` releases the first sample. Prefix-cache blocks are shared
+        only with requests of the same `cache_namespace`."""
         if self.dead is not None:
             raise ExecutorError(f"engine is not running: {self.dead}")
         if request_id in self.requests:
@@ -149,6 +171,7 @@ class EngineCore:
                 leader=seqs[0] if seqs else None,
                 constraint=constraints[i] if constraints else None,
                 awaiting_constraint=awaiting_constraint,
+                cache_namespace=cache_namespace,
             )
             seqs.append(seq)
             seed = params.seed
@@ -260,6 +283,8 @@ class EngineCore:
                 if self.on_queue_time is not None:
                     self.on_queue_time(s.seq.queue_time)
             start = s.seq.num_computed_tokens
+            # Score the prompt only where this chunk reaches indices not reported yet.
+            reaches_new = start + s.num_new_tokens > len(s.seq.prompt_logprobs)
             items.append(
                 ScheduledItem(
                     seq_id=s.seq.seq_id,
@@ -267,6 +292,11 @@ class EngineCore:
                     start_pos=start,
                     block_table=list(s.seq.block_table),
                     sample=s.will_sample,
+                    prompt_logprobs=(
+                        s.seq.params.prompt_logprobs
+                        if s.seq.wants_prompt_logprobs and reaches_new
+                        else None
+                    ),
                 )
             )
         step = StepInput(items, self._new_seqs, self._finished_seq_ids)
@@ -304,6 +334,7 @@ class EngineCore:
                 self.abort(request_id, FinishReason.ERROR, message, "deadline_unmeetable")
 
     def _postprocess(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        self._collect_prompt_logprobs(sched, result)
         touched: dict[str, _RequestState] = {}
         sampled = [s.seq for s in sched.scheduled if s.will_sample]
         for j, seq in enumerate(sampled):
@@ -323,12 +354,27 @@ class EngineCore:
                     seq0.num_cached_tokens or 0,
                     state.finished,
                     timeline=seq0.timeline if state.finished else None,
+                    prompt_logprobs=state.take_prompt_logprobs(),
                 )
             )
             if state.finished:
                 self.requests.pop(state.request_id, None)
                 self.deadlines.discard(state.request_id)
         return outputs
+
+    @staticmethod
+    def _collect_prompt_logprobs(sched: SchedulerOutput, result: StepOutput) -> None:
+        """Append each chunk's prompt logprobs to its sequence, skipping indices it already
+        has (a prefill recomputed after preemption scores them again)."""
+        if not result.prompt_logprobs:
+            return
+        seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        for chunk in result.prompt_logprobs:
+            seq = seqs[chunk.seq_id]
+            skip = len(seq.prompt_logprobs) + 1 - chunk.first_index
+            if skip < 0:
+                raise RuntimeError(f"prompt logprobs of {chunk.seq_id} skipped an index")
+            seq.prompt_logprobs.extend(chunk.entries[skip:])
 
     def _advance(self, state: _RequestState, seq: Sequence, token: int, logprobs) -> None:
         detok = state.detokenizers[seq.index]

@@ -32,6 +32,9 @@ class ScheduledItem:
     block_table: list[int]
     # Whether this step ends at the sequence's last token, so its logits are sampled.
     sample: bool
+    # Set (to the top-k count) when this chunk's prompt positions must report the logprobs
+    # of the prompt tokens that follow them (see actors/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -54,10 +57,22 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """One scheduled chunk's prompt logprobs: entries[j] is for the prompt token at index
+    `first_index + j` (index 0 has none), scored by the logits of the position before it."""
+
+    seq_id: str
+    first_index: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class StepOutput:
     # One sampled token per item with `sample=True`, in item order.
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    # Only for items that asked (`ScheduledItem.prompt_logprobs`).
+    prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
     error: str | None = None
 
 
@@ -79,3 +94,6 @@ class EngineRequest:
     # The streamed response this request feeds, when its proxy reports a stalled client
     # (serve_app.proxy_flow): the engine holds it while that key is paused.
     flow_key: str | None = None
+    # Prefix-cache namespace, chosen by the service (never by the client): cached blocks are
+    # shared only between requests of the same namespace.
+    cache_namespace: str = ""

@@ -16,6 +16,7 @@ from actors.messages import ScheduledItem, StepInput, StepOutput
 from actors.models.loader import build_model
 from actors.parallel_state import get_tp_group
 from actors.platform import kv_cache_budget_bytes, persistent_decode_gather
+from actors.prompt_logprobs import compute_prompt_logprobs
 from actors.sampler import Sampler, SeqSamplingState
 
 # A decode bucket closes when the next (shorter) context would pad it by more than this.
@@ -97,25 +98,33 @@ class ModelRunner:
         previous, self._gathered = self._gathered, []
         if not step.items:
             return StepOutput(sampled_token_ids=[]) if self.is_driver else None
-        input_ids, positions, meta, logits_rows = self._prepare(step.items, previous)
+        input_ids, positions, meta, logits_rows, row_starts = self._prepare(step.items, previous)
         with set_forward_context(meta):
             hidden = self.model(input_ids, positions, self.kv_caches)
         self._gathered = [bucket.key for bucket in meta.decode_buckets]
         logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
+        prompt_logprobs = []
+        if any(item.prompt_logprobs is not None for item in step.items):
+            prompts = {i.seq_id: self.states[i.seq_id].prompt_token_ids for i in step.items}
+            prompt_logprobs = compute_prompt_logprobs(
+                self.model.compute_logits, hidden, step.items, row_starts, prompts, self.is_driver
+            )
         if not self.is_driver:
             return None
         states = [self.states[item.seq_id] for item in step.items if item.sample]
         tokens, logprobs = self.sampler(logits, states, step.bitmask, step.bitmask_rows)
-        return StepOutput(sampled_token_ids=tokens, logprobs=logprobs)
+        return StepOutput(tokens, logprobs, prompt_logprobs)
 
     def _prepare(self, items: list[ScheduledItem], previous: list[tuple | None] | None = None):
-        """Flatten the step: prefill chunks first, then single-token (decode) items."""
+        """Flatten the step: prefill chunks first, then single-token (decode) items. Also
+        returns the row of each item's first token, in item order."""
         bs = self.block_size
         order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) == 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         row_of_item: dict[int, int] = {}
+        row_starts = [0] * len(items)
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
         decode_ctx: list[int] = []
         decode_tables: list[list[int]] = []
@@ -123,6 +132,7 @@ class ModelRunner:
         for i in order:
             item = items[i]
             q_start, q_len = len(input_ids), len(item.token_ids)
+            row_starts[i] = q_start
             ctx_len = item.start_pos + q_len
             input_ids.extend(item.token_ids)
             for pos in range(item.start_pos, ctx_len):
@@ -149,6 +159,7 @@ class ModelRunner:
             torch.tensor(positions, **to_dev),
             meta,
             torch.tensor(logits_rows, **to_dev),
+            row_starts,
         )
 
     def _prefill_meta(self, item: ScheduledItem, q_start: int, q_len: int, ctx_len: int):

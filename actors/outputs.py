@@ -41,6 +41,9 @@ class RequestOutput:
     timeline: dict[str, float | None] | None = None
     # The attempt this output belongs to (the fence: a closed attempt's outputs are dropped).
     attempt: int = 0
+    # When the params ask: the prompt's logprobs, aligned with `prompt_token_ids` (index 0 is
+    # None), on the request's first output only (the prompt is computed before any sample).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -70,6 +73,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # Aligned with `prompt_token_ids` (index 0 is None) when the params asked.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

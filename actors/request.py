@@ -48,6 +48,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Hash chain of this sequence's full blocks, filled as blocks become full.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Prefix-cache namespace (opaque; the service derives it from the tenant): cached blocks
+    # are shared only between sequences of the same namespace.
+    cache_namespace: str = ""
     # Another sample of the same request whose prefill this one waits for (n > 1).
     leader: Sequence | None = None
     # Per-request constraint (grammar matcher) consulted before sampling; see grammar_state.
@@ -57,6 +60,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    # Prompt logprobs gathered so far (TokenLogprobs of prompt indices 1, 2, ...): sample 0
+    # collects them when the params ask; a recomputed prefill does not report them twice.
+    prompt_logprobs: list[Any] = field(default_factory=list)
     # Seconds from arrival to the first step that computed any of its tokens.
     queue_time: float | None = None
     # Seconds from arrival until its grammar was attached, and until its first token.
@@ -97,6 +103,16 @@ class Sequence:
     def num_schedulable_tokens(self) -> int:
         """Tokens that may be computed now: all but the last while a constraint compiles."""
         return self.num_uncomputed_tokens - (1 if self.awaiting_constraint else 0)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are still to be computed: its prefill must not reuse cached
+        blocks (they hold KV, not logits), and its chunks ask the runner to score them."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_prefill_done(self) -> bool:

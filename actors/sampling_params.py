@@ -8,7 +8,8 @@ from numbers import Integral, Real
 from typing import Any
 
 MAX_LOGPROBS = 20
-_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_OPTIONAL_FIELDS = ("seed", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -43,6 +44,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs; k >= 0: the chosen token's logprob plus the top-k.
     logprobs: int | None = None
+    # None: none; k >= 0: each prompt token's logprob (the first has none) plus the top-k.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -73,7 +76,7 @@ class SamplingParams:
         """Wrong types fail naming the field (not as a TypeError from a comparison)."""
         for name in _INT_FIELDS + _FLOAT_FIELDS:
             value = getattr(self, name)
-            if value is None and name in ("seed", "logprobs"):
+            if value is None and name in _OPTIONAL_FIELDS:
                 continue
             kind = Integral if name in _INT_FIELDS else Real
             # NOTE: an infinite temperature or penalty turns -inf (masked) logits into NaN.
@@ -106,6 +109,11 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
         ]

@@ -138,7 +138,9 @@ class Scheduler:
             if not seq.may_start:
                 blocked.append(self.waiting.pop(0))
                 continue
-            hits = self.block_manager.match_prefix(seq) if not seq.block_table else []
+            # A prefill that must report prompt logprobs recomputes any cached prefix.
+            reuse = not seq.block_table and not seq.wants_prompt_logprobs
+            hits = self.block_manager.match_prefix(seq) if reuse else []
             num_cached = len(hits) * self.block_manager.block_size
             wanted = seq.num_schedulable_tokens - num_cached
             if wanted <= 0:

@@ -14,6 +14,8 @@ from starlette.requests import Request
 
 from actors.messages import EngineRequest
 from serve_app import errors
+from serve_app.access.prefix_scope import prefix_namespace
+from serve_app.auth import principal_of
 from serve_app.chat_output import ChoiceParser, ParseOptions
 from serve_app.config import ServeConfig
 from serve_app.grammar import GrammarError
@@ -117,10 +119,23 @@ class Admission:
             want_token_ids=bool(req.return_token_ids),
             prompt_ids=prompts,
             n=params.n,
+            prompt_top=req.prompt_logprobs,
+            echo_top=req.logprobs if getattr(req, "echoes_logprobs", False) else None,
         )
         timeout_s = client_timeout_s(request, req)
+        # The caller's tenant, as authenticated: never a field of the body.
+        namespace = prefix_namespace(
+            principal_of(request).tenant, self.config.engine.shared_prefix_tenants
+        )
         engine_requests = [
-            EngineRequest(uuid.uuid4().hex, ids, params, grammar=grammar, timeout_s=timeout_s)
+            EngineRequest(
+                uuid.uuid4().hex,
+                ids,
+                params,
+                grammar=grammar,
+                timeout_s=timeout_s,
+                cache_namespace=namespace,
+            )
             for ids in prompts
         ]
         # The engine enforces the deadline; this one only guards against a lost engine.

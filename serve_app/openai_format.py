@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from actors.messages import TokenLogprobs
@@ -27,6 +28,7 @@ from serve_app.protocol import (
     Usage,
     openai_finish_reason,
 )
+from serve_app.protocol.responses import PromptLogprob, PromptLogprobs, clamp_logprob
 from serve_app.token_text import TokenTexts
 from serve_app.tool_parsers import ContentDelta, ToolCallStart
 
@@ -102,6 +104,64 @@ def completion_logprobs(
     return CompletionLogprobs.build(tokens, [lp.logprob for lp in logprobs], top, offset)
 
 
+def prompt_logprobs_field(
+    texts: TokenTexts, prompt_ids: list[int], logprobs: list[TokenLogprobs | None], k: int
+) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt token, its own candidate and the top-k."""
+    wire: PromptLogprobs = []
+    for token_id, lp in zip(prompt_ids, logprobs, strict=True):
+        if lp is None:
+            wire.append(None)
+            continue
+        entry = {str(token_id): _candidate(texts, token_id, lp.logprob, lp.rank)}
+        for rank, (alt, value) in enumerate(lp.top[:k], start=1):
+            entry.setdefault(str(alt), _candidate(texts, alt, value, rank))
+        wire.append(entry)
+    return wire
+
+
+def _candidate(texts: TokenTexts, token_id: int, logprob: float, rank: int) -> PromptLogprob:
+    return PromptLogprob(
+        logprob=clamp_logprob(logprob), rank=rank, decoded_token=texts.get(token_id)[0]
+    )
+
+
+def echoed_logprobs(
+    texts: TokenTexts,
+    prompt_ids: list[int],
+    logprobs: list[TokenLogprobs | None],
+    k: int,
+    echo_len: int,
+) -> CompletionLogprobs:
+    """The echoed prompt's part of a completions `logprobs` object (OpenAI's legacy echo):
+    the first token has no logprob and no alternatives (null). Offsets index the echoed text
+    (`echo_len` characters): its tokens' texts are aligned to end where it ends, so tokens
+    the tokenizer added before the text (a BOS) sit at 0."""
+    tokens = [texts.get(t)[0] for t in prompt_ids]
+    shift = max(0, sum(len(t) for t in tokens) - echo_len)
+    starts = itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[None if lp is None else clamp_logprob(lp.logprob) for lp in logprobs],
+        top_logprobs=[
+            None
+            if lp is None
+            else {texts.get(t)[0]: clamp_logprob(value) for t, value in lp.top[:k]}
+            for lp in logprobs
+        ],
+        text_offset=[max(0, start - shift) for start in starts],
+    )
+
+
+def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        text_offset=first.text_offset + then.text_offset,
+    )
+
+
 def chat_message(message: ChoiceMessage, broken: list[int]) -> ChatResponseMessage:
     """The non-streamed message. A call cut short (max_tokens, deadline) is left out: a
     client never receives a call it cannot parse (a stream cannot retract one it began)."""
@@ -149,12 +209,43 @@ class Formatter:
     want_token_ids: bool = False
     prompt_ids: list[list[int]] = field(default_factory=list)
     n: int = 1
+    # Top-k counts of the `prompt_logprobs` field and of a completions echo with logprobs
+    # (None: not asked), and the engine's prompt logprobs per prompt (from its first output).
+    prompt_top: int | None = None
+    echo_top: int | None = None
+    prompt_logprobs: list[list[TokenLogprobs | None] | None] = field(default_factory=list)
 
     def _ids(self, token_ids: list[int]) -> list[int] | None:
         return list(token_ids) if self.want_token_ids else None
 
     def prompt_of(self, index: int) -> list[int] | None:
         return list(self.prompt_ids[index // self.n]) if self.want_token_ids else None
+
+    def _engine_prompt_logprobs(self, index: int) -> list[TokenLogprobs | None] | None:
+        prompt = index // self.n
+        return self.prompt_logprobs[prompt] if prompt < len(self.prompt_logprobs) else None
+
+    def prompt_logprobs_of(self, index: int) -> PromptLogprobs | None:
+        """The `prompt_logprobs` field of choice `index` (chat: of the response)."""
+        lps = self._engine_prompt_logprobs(index)
+        if self.prompt_top is None or lps is None:
+            return None
+        prompt_ids = self.prompt_ids[index // self.n]
+        return prompt_logprobs_field(self.texts, prompt_ids, lps, self.prompt_top)
+
+    def _echoed(self, index: int, echo: str) -> CompletionLogprobs | None:
+        lps = self._engine_prompt_logprobs(index)
+        if self.echo_top is None or lps is None:
+            return None
+        prompt_ids = self.prompt_ids[index // self.n]
+        return echoed_logprobs(self.texts, prompt_ids, lps, self.echo_top, len(echo))
+
+    def _completion_logprobs(self, c: ChoiceState, echo: str) -> CompletionLogprobs | None:
+        if not self.want_logprobs:
+            return None
+        generated = completion_logprobs(self.texts, c.token_ids, c.logprobs, len(echo))
+        echoed = self._echoed(c.index, echo)
+        return generated if echoed is None else joined(echoed, generated)
 
     def body(self, choices: list[ChoiceState], usage: Usage, echo: list[str]) -> dict:
         if self.chat:
@@ -179,6 +270,7 @@ class Formatter:
                 usage=usage,
                 system_fingerprint=self.fingerprint,
                 prompt_token_ids=self.prompt_of(0),
+                prompt_logprobs=self.prompt_logprobs_of(0),
             ).to_dict()
         return CompletionResponse(
             id=self.response_id,
@@ -187,15 +279,12 @@ class Formatter:
                 CompletionChoice(
                     index=c.index,
                     text=echo[c.index] + c.text,
-                    logprobs=(
-                        completion_logprobs(self.texts, c.token_ids, c.logprobs, len(echo[c.index]))
-                        if self.want_logprobs
-                        else None
-                    ),
+                    logprobs=self._completion_logprobs(c, echo[c.index]),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids=self._ids(c.token_ids),
                     prompt_token_ids=self.prompt_of(c.index),
+                    prompt_logprobs=self.prompt_logprobs_of(c.index),
                 )
                 for c in choices
             ],
@@ -208,6 +297,18 @@ class Formatter:
         # The prompt's ids ride on the stream's first chunk.
         return self._chunk([choice], prompt_token_ids=self.prompt_of(0) if index == 0 else None)
 
+    def echo_chunk(self, index: int, text: str) -> dict:
+        """A completions choice's first chunk: the echoed prompt (with its logprobs when
+        asked, as vLLM streams them) and the prompt's ids when asked."""
+        item = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=self._echoed(index, text),
+            token_ids=self._ids([]),
+            prompt_token_ids=self.prompt_of(index),
+        )
+        return self._chunk([item])
+
     def content_chunk(
         self,
         index: int,
@@ -215,10 +316,7 @@ class Formatter:
         token_ids: list[int],
         logprobs: list[TokenLogprobs] | None,
         offset: int,
-        *,
-        is_first: bool = False,
     ) -> dict:
-        """`is_first`: a completions choice's first chunk, which carries its prompt's ids."""
         if self.chat:
             lp = chat_logprobs(self.texts, token_ids, logprobs) if logprobs else None
             choice = ChatChunkChoice(
@@ -234,7 +332,6 @@ class Formatter:
             text=text,
             logprobs=clp,
             token_ids=self._ids(token_ids),
-            prompt_token_ids=self.prompt_of(index) if is_first else None,
         )
         return self._chunk([item])
 

@@ -77,8 +77,7 @@ async def stream_sse(merged: Merged, job: Job) -> AsyncIterator[bytes]:
             if fmt.chat:
                 yield state.frame_chunk(fmt.role_chunk(c.index))
             elif echo[c.index] or fmt.want_token_ids:
-                first = fmt.content_chunk(c.index, echo[c.index], [], None, 0, is_first=True)
-                yield state.frame_chunk(first)
+                yield state.frame_chunk(fmt.echo_chunk(c.index, echo[c.index]))
         async for i, out in merged:
             if out is None:
                 for c in choices:

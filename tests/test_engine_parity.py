@@ -111,7 +111,7 @@ def test_prefill_logits_match_transformers_at_every_position(arch_setup):
     # An idle engine: the first blocks are free to use for this one forward.
     table = list(range(llm.engine.block_manager.blocks_needed(len(prompt))))
     item = ScheduledItem("probe", prompt, 0, table, sample=True)
-    input_ids, positions, meta, _ = runner._prepare([item])
+    input_ids, positions, meta, _, _ = runner._prepare([item])
     with torch.no_grad(), set_forward_context(meta):
         hidden = runner.model(input_ids, positions, runner.kv_caches)
     ours = runner.model.compute_logits(hidden)

@@ -125,7 +125,6 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
      UP, "messages.0.content.0"),
     ("completion", {"suffix": "x"}, UP, "suffix"),
     ("completion", {"best_of": 3, "n": 2}, UP, "best_of"),
-    ("completion", {"echo": True, "logprobs": 1}, UP, "echo"),
     # messages
     ("chat", {"messages": []}, IR, "messages"),
     ("chat", {"messages": "hi"}, IR, "messages"),
@@ -179,6 +178,14 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("chat", {"top_logprobs": 21, "logprobs": True}, IR, "top_logprobs"),
     ("completion", {"logprobs": 6}, IR, "logprobs"),
     ("completion", {"logprobs": True}, IR, "logprobs"),
+    ("chat", {"prompt_logprobs": -1}, IR, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 21}, IR, "prompt_logprobs"),
+    ("completion", {"prompt_logprobs": -1}, IR, "prompt_logprobs"),
+    ("completion", {"prompt_logprobs": 21}, IR, "prompt_logprobs"),
+    ("completion", {"prompt_logprobs": True}, IR, "prompt_logprobs"),
+    ("completion", {"prompt_logprobs": 1.0}, IR, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 0, "stream": True}, IR, "prompt_logprobs"),
+    ("completion", {"prompt_logprobs": 2, "stream": True}, IR, "prompt_logprobs"),
     # streaming
     ("chat", {"stream": "true"}, IR, "stream"),
     ("chat", {"stream_options": {"include_usage": True}}, IR, "stream_options"),
@@ -306,6 +313,22 @@ def test_max_tokens_precedence(changes: dict[str, Any], max_tokens: int) -> None
 )  # fmt: skip
 def test_logprobs_mapping(kind: str, changes: dict[str, Any], logprobs: int | None) -> None:
     assert sampling(kind, **changes).logprobs == logprobs
+
+
+@pytest.mark.parametrize(
+    ("kind", "changes", "prompt_logprobs"),
+    [("chat", {}, None), ("chat", {"prompt_logprobs": 0}, 0), ("completion", {}, None),
+     ("completion", {"prompt_logprobs": 4}, 4), ("completion", {"echo": True}, None),
+     ("completion", {"logprobs": 2}, None), ("completion", {"echo": True, "logprobs": 2}, 2),
+     ("completion", {"echo": True, "logprobs": 0}, 0),
+     ("completion", {"echo": True, "logprobs": 2, "prompt_logprobs": 7}, 7),
+     ("completion", {"echo": True, "logprobs": 3, "prompt_logprobs": 1}, 3)],
+)  # fmt: skip
+def test_prompt_logprobs_mapping(
+    kind: str, changes: dict[str, Any], prompt_logprobs: int | None
+) -> None:
+    """The engine computes the larger top-k that `prompt_logprobs` and an echo ask for."""
+    assert sampling(kind, **changes).prompt_logprobs == prompt_logprobs
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,9 @@ INVALID: list[tuple[str, dict[str, Any]]] = [
     ("seed", {"seed": "7"}),
     ("logprobs", {"logprobs": -1}),
     ("logprobs", {"logprobs": MAX_LOGPROBS + 1}),
+    ("prompt_logprobs", {"prompt_logprobs": -1}),
+    ("prompt_logprobs", {"prompt_logprobs": MAX_LOGPROBS + 1}),
+    ("prompt_logprobs", {"prompt_logprobs": True}),
     ("stop", {"stop": [""]}),
     ("stop", {"stop": ""}),
     ("stop", {"stop": ["ok", 3]}),
@@ -69,6 +72,8 @@ VALID: list[dict[str, Any]] = [
     {"repetition_penalty": 1e-3},
     {"logprobs": 0},
     {"logprobs": MAX_LOGPROBS},
+    {"prompt_logprobs": 0},
+    {"prompt_logprobs": MAX_LOGPROBS},
     {"stop": None, "stop_token_ids": None},
 ]
 

@@ -36,7 +36,45 @@ class ToolCall(StrictModel):
     function: ToolCallFunction
 
 
+# `ChatMessage._check_role_fields` as JSON Schema, so the published contract (/openapi.json)
+# states the same rules the validator enforces.
+_GIVEN_CONTENT = {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}
+_ROLE_RULES: dict[str, Any] = {
+    "allOf": [
+        {
+            "if": {"properties": {"role": {"const": "assistant"}}},
+            "then": {
+                "anyOf": [
+                    _GIVEN_CONTENT,
+                    {
+                        "required": ["tool_calls"],
+                        "properties": {"tool_calls": {"type": "array", "minItems": 1}},
+                    },
+                ]
+            },
+            "else": {
+                "required": ["content"],
+                "properties": {
+                    "content": {"not": {"type": "null"}},
+                    "tool_calls": {"type": "null"},
+                },
+            },
+        },
+        {
+            "if": {"properties": {"role": {"const": "tool"}}},
+            "then": {
+                "required": ["tool_call_id"],
+                "properties": {"tool_call_id": {"type": "string", "minLength": 1}},
+            },
+            "else": {"properties": {"tool_call_id": {"type": "null"}}},
+        },
+    ]
+}
+
+
 class ChatMessage(StrictModel):
+    model_config = {**StrictModel.model_config, "json_schema_extra": _ROLE_RULES}
+
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -107,6 +145,19 @@ class ChatCompletionRequest(SamplingRequest):
         _reject_non_text_parts(data.get("messages"))
         return data
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_enable_thinking(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # The template tests `enable_thinking is false`: any other value would silently
+        # read as unset, so only a boolean (or null) is taken.
+        thinking = (value or {}).get("enable_thinking")
+        if thinking is not None and not isinstance(thinking, bool):
+            raise errors.invalid_request(
+                "'chat_template_kwargs.enable_thinking' must be true or false.",
+                "chat_template_kwargs.enable_thinking",
+            )
+        return value
+
     @model_validator(mode="after")
     def _cross_field(self) -> ChatCompletionRequest:
         mt, mct = self.max_tokens, self.max_completion_tokens
@@ -144,6 +195,8 @@ class ChatCompletionRequest(SamplingRequest):
             message = f"Invalid value for '{exc.param}': {exc.reason}."
             if exc.code == "invalid_grammar":
                 raise errors.invalid_grammar(message, exc.param) from None
+            if exc.code == "request_limit_exceeded":  # the reason is the whole message
+                raise errors.APIError(400, exc.code, exc.reason, param=exc.param) from None
             raise errors.invalid_request(message, exc.param) from None
         if self.tool_choice_mode in ("required", "named") and super().grammar_spec():
             raise errors.invalid_request(
@@ -255,10 +308,6 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _cross_field(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise errors.unsupported_parameter(
-                "echo", "echo with logprobs needs prompt logprobs, which are not computed"
-            )
         self.check_common(self.max_tokens)
         return self
 
@@ -272,3 +321,14 @@ class CompletionRequest(SamplingRequest):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        """`echo` with `logprobs`: the echoed prompt's tokens come with their logprobs."""
+        return bool(self.echo) and self.logprobs is not None
+
+    def requested_prompt_logprobs(self) -> int | None:
+        # The engine computes the larger top-k; each field reports its own count.
+        counts = [self.prompt_logprobs, self.logprobs if self.echoes_logprobs else None]
+        given = [k for k in counts if k is not None]
+        return max(given) if given else None

@@ -50,8 +50,9 @@ class WireModel(BaseModel):
         return self.model_dump(mode="json", by_alias=True)
 
 
-# Extension fields (vLLM's `return_token_ids`) that appear only when the request asked.
-_TOKEN_ID_FIELDS = ("token_ids", "prompt_token_ids")
+# Extension fields (vLLM's `return_token_ids`, `prompt_logprobs`) that appear only when the
+# request asked.
+_TOKEN_ID_FIELDS = ("token_ids", "prompt_token_ids", "prompt_logprobs")
 
 
 class WithTokenIds(WireModel):
@@ -128,6 +129,22 @@ class ChatLogprobs(WireModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+# ------------------------------------------------------------- prompt logprobs
+
+
+class PromptLogprob(WireModel):
+    """vLLM's `Logprob`: one candidate at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Aligned with the prompt's tokens: None for the first, then {token id: candidate} holding the
+# prompt's own token and the top-k alternatives (vLLM's `prompt_logprobs` shape).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 # -------------------------------------------------------------- chat completion
 
 
@@ -199,6 +216,7 @@ class ChatCompletionResponse(WithTokenIds):
     # The served artifact's fingerprint (weights, tokenizer, template, grammar backend).
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # the templated prompt, when asked
+    prompt_logprobs: PromptLogprobs | None = None  # the templated prompt's, when asked
 
 
 class DeltaMessage(OnlyGiven):
@@ -275,6 +293,7 @@ class CompletionChoice(WithTokenIds):
     # (a stream: on the choice's first chunk).
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # the choice's prompt's, when asked
 
 
 class CompletionResponse(WireModel):
