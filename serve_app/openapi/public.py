@@ -1,0 +1,227 @@
+"""`GET /openapi.json` of the public port: every public route, from the models it parses with.
+
+The document is built once per process (per ingress replica) and served as bytes. It names
+what this server accepts where the models leave it open: the served model id, the generation
+profiles and output formats (other values are a 404 or 400, which it also declares). On a
+keyed server it needs a key like every route but `/health`: it reveals the route table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from serve_app.generation_protocol import (
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    ConversationCreate,
+    GenerationCreate,
+)
+from serve_app.openapi.document import (
+    ErrorResponse,
+    Operation,
+    Param,
+    Reply,
+    Schema,
+    Stream,
+    build_document,
+)
+from serve_app.openapi.replies import (
+    Conversation,
+    ConversationDeleted,
+    Generation,
+    Health,
+    ModelList,
+    OpenAPIDocument,
+    OutputDelta,
+    ServerInfo,
+)
+from serve_app.protocol import (
+    IGNORED_PARAMETERS,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+)
+from serve_app.request_ids import MAX_ID_CHARS
+
+PATH = "/openapi.json"
+TITLE = "serve-app"
+VERSION = "1"
+DESCRIPTION = (
+    "OpenAI-compatible chat and completions, and task-style generation resources. Every "
+    'error is {"error": {message, type, code, param}}; 4xx carry x-should-retry: false, '
+    "429 and 503 carry Retry-After."
+)
+
+# Errors every admitted generation-style request can meet (the rest per route below).
+ADMITTED = (400, 401, 403, 404, 409, 413, 429, 500, 503)
+
+
+def _openai_stream(chunk: type) -> Stream:
+    # A failure after the headers is an error frame, then [DONE].
+    return Stream({"message": (chunk, ErrorResponse)}, done="[DONE]")
+
+
+REQUEST_ID = Param(
+    "X-Request-Id",
+    "header",
+    "One live attempt per id; a completed one replays its result. At most "
+    f"{MAX_ID_CHARS} characters.",
+    {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS},
+)
+IDEMPOTENCY_KEY = Param(
+    "Idempotency-Key",
+    "header",
+    "Same key, same body: the recorded generation; a different body: 409. "
+    f"1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable characters.",
+    {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS},
+)
+GENERATION_ID = Param("generation_id", "path", "A generation's id (`gen_...`).")
+CONVERSATION_ID = Param("conversation_id", "path", "A conversation's id (`conv_...`).")
+
+OPERATIONS: list[Operation] = [
+    Operation(
+        "get", "/health", "health", "Green when an engine replica answers.", "service",
+        {200: Reply("Ready.", Health)}, errors=(500, 503), is_open=True,
+    ),
+    Operation(
+        "get", PATH, "openapi", "This document.", "service",
+        {200: Reply("The OpenAPI 3.1 document.", OpenAPIDocument)}, errors=(500,),
+    ),
+    Operation(
+        "get", "/v1/models", "list_models", "The models this key may use.", "openai",
+        {200: Reply("The model list.", ModelList)}, errors=(500,),
+    ),
+    Operation(
+        "get", "/v1/server_info", "server_info", "Identity, limits and policies.", "service",
+        {200: Reply("What this deployment serves, enforces and promises.", ServerInfo)},
+        errors=(500,),
+    ),
+    Operation(
+        "post", "/v1/chat/completions", "create_chat_completion", "Chat completion.", "openai",
+        {200: Reply(
+            "The completion; with `stream: true`, chunks then `[DONE]`.",
+            ChatCompletionResponse, stream=_openai_stream(ChatCompletionChunk),
+        )},
+        errors=ADMITTED, body=ChatCompletionRequest, params=(REQUEST_ID,),
+    ),
+    Operation(
+        "post", "/v1/completions", "create_completion", "Text completion.", "openai",
+        {200: Reply(
+            "The completion; with `stream: true`, chunks then `[DONE]`.",
+            CompletionResponse, stream=_openai_stream(CompletionChunk),
+        )},
+        errors=ADMITTED, body=CompletionRequest, params=(REQUEST_ID,),
+    ),
+    Operation(
+        "post", "/v1/generations", "create_generation", "Start a generation.", "generations",
+        {
+            200: Reply(
+                "`sync`: the finished generation (also a replay); `stream`: its events.",
+                Generation,
+                stream=Stream({
+                    "generation.created": (Generation,),
+                    "output.delta": (OutputDelta,),
+                    "generation.finished": (Generation,),
+                }),
+            ),
+            202: Reply("`background`: the queued generation.", Generation, headers=("Location",)),
+        },
+        errors=(*ADMITTED, 422), body=GenerationCreate, params=(IDEMPOTENCY_KEY,),
+    ),
+    Operation(
+        "get", "/v1/generations/{generation_id}", "get_generation", "A generation.",
+        "generations", {200: Reply("The generation.", Generation)}, errors=(404, 500),
+        params=(GENERATION_ID,),
+    ),
+    Operation(
+        "post", "/v1/generations/{generation_id}/cancel", "cancel_generation",
+        "Cancel a generation.", "generations",
+        {200: Reply("The generation (cancelled unless it had ended).", Generation)},
+        errors=(404, 500), params=(GENERATION_ID,),
+    ),
+    Operation(
+        "post", "/v1/conversations", "create_conversation", "Start a conversation.",
+        "generations", {201: Reply("The conversation.", Conversation, headers=("Location",))},
+        errors=(400, 413, 500, 503), body=ConversationCreate, body_required=False,
+    ),
+    Operation(
+        "get", "/v1/conversations/{conversation_id}", "get_conversation", "A conversation.",
+        "generations", {200: Reply("The conversation.", Conversation)}, errors=(404, 500),
+        params=(CONVERSATION_ID,),
+    ),
+    Operation(
+        "delete", "/v1/conversations/{conversation_id}", "delete_conversation",
+        "Delete a conversation.", "generations",
+        {200: Reply("Deleted.", ConversationDeleted)}, errors=(404, 500),
+        params=(CONVERSATION_ID,),
+    ),
+]  # fmt: skip
+
+
+def public_document(
+    *,
+    model_ids: Sequence[str] = (),
+    profiles: Sequence[str] = (),
+    output_formats: Sequence[str] = (),
+    keyed: bool = False,
+) -> Schema:
+    """The public document; the sequences name this server's accepted values (empty: any)."""
+    doc = build_document(
+        title=TITLE, version=VERSION, description=DESCRIPTION, operations=OPERATIONS, keyed=keyed
+    )
+    schemas = doc["components"]["schemas"]
+    for name in (ChatCompletionRequest.__name__, CompletionRequest.__name__):
+        properties = schemas[name]["properties"]
+        if model_ids:
+            properties["model"] = _one_of(model_ids, "The served model (others: 404).")
+        for field in sorted(IGNORED_PARAMETERS):
+            properties.setdefault(field, {"description": "Accepted and ignored."})
+    generation = schemas[GenerationCreate.__name__]["properties"]
+    if profiles:
+        generation["profile"] = _one_of(profiles, "A profile of this server (others: 404).")
+    if model_ids:
+        generation["model"] = _nullable(_one_of(model_ids, "A model the profile offers."))
+    if output_formats:
+        generation["output_format"] = _nullable(
+            _one_of(output_formats, "A format the profile offers (others: 400).")
+        )
+    return doc
+
+
+def _one_of(values: Sequence[str], description: str) -> Schema:
+    return {"type": "string", "enum": sorted(set(values)), "description": description}
+
+
+def _nullable(schema: Schema) -> Schema:
+    return {"anyOf": [schema, {"type": "null"}], "default": None}
+
+
+def config_document(config: Any) -> Schema:
+    """`public_document` for a ServeConfig."""
+    options = config.generations
+    formats = {"text", *options.output_formats}
+    return public_document(
+        model_ids=[config.model_id],
+        profiles=[p.name for p in options.profiles],
+        output_formats=sorted(formats),
+        keyed=config.api_keys is not None,
+    )
+
+
+def openapi_route(config: Any) -> Route:
+    """`GET /openapi.json`, its body built once."""
+    import json
+
+    body = json.dumps(config_document(config), separators=(",", ":")).encode()
+
+    async def openapi(request: Request) -> Response:
+        return Response(body, media_type="application/json")
+
+    return Route(PATH, openapi, methods=["GET"])

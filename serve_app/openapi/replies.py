@@ -1,0 +1,120 @@
+"""Models of the success bodies that routes build as plain dicts (health, model list,
+generation and conversation resources): the keys a client may rely on, typed. Other keys may
+appear (`extra="allow"`); the fuzz test checks every live answer against these."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from serve_app.store import TERMINAL_STATUSES, UNFINISHED_STATUSES
+
+GenerationStatus = Literal[tuple(sorted({*UNFINISHED_STATUSES, *TERMINAL_STATUSES}))]  # type: ignore[valid-type]
+
+
+class Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Health(Open):
+    status: Literal["ok"]
+    model: str
+
+
+class ModelCard(Open):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+    fingerprint: str
+
+
+class ModelList(Open):
+    object: Literal["list"]
+    # Empty when the key may use none of the served models.
+    data: list[ModelCard]
+
+
+class OutputBlock(Open):
+    type: Literal["text", "json"]
+
+
+class GenerationUsage(Open):
+    input_tokens: int
+    output_tokens: int
+    cached_input_tokens: int
+    kind: Literal["estimate", "provisional", "final"]
+
+
+class GenerationError(Open):
+    code: str
+    message: str
+
+
+class Generation(Open):
+    """A generation resource (`/v1/generations`), as stored and returned."""
+
+    id: str
+    object: Literal["generation"]
+    status: GenerationStatus
+    output: list[OutputBlock]
+    finish_reason: str | None
+    usage: GenerationUsage
+    error: GenerationError | None
+    created_at: float
+    # None while unfinished: retention counts from the end.
+    expires_at: float | None
+
+
+class TextDelta(Open):
+    type: Literal["text"]
+    text: str
+
+
+class OutputDelta(Open):
+    """An `output.delta` event of a streamed generation."""
+
+    generation_id: str
+    index: int
+    delta: TextDelta
+    usage: GenerationUsage
+
+
+class StoredMessage(Open):
+    role: Literal["user", "assistant"]
+    content: str
+
+
+class Conversation(Open):
+    id: str
+    object: Literal["conversation"]
+    revision: int
+    messages: list[StoredMessage]
+    pending_generation: str | None
+    created_at: float
+    updated_at: float
+    expires_at: float
+
+
+class ConversationDeleted(Open):
+    id: str
+    object: Literal["conversation.deleted"]
+    deleted: Literal[True]
+
+
+class ServerInfo(Open):
+    """`/v1/server_info`: identity, limits, policies and outcomes as data."""
+
+    model: str
+    artifact: dict[str, Any]
+    limits: dict[str, Any]
+    errors: list[dict[str, Any]]
+    outcomes: list[dict[str, Any]]
+
+
+class OpenAPIDocument(Open):
+    openapi: str
+    info: dict[str, Any]
+    paths: dict[str, Any]
