@@ -5,11 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from serve_app import errors, proxy_flow
+from serve_app.access import client_json
+from serve_app.access.prefix_scope import prefix_cache_info
 from serve_app.auth import KeyLimits
 from serve_app.chat_output import DEFAULT_TOOL_PARSER
+from serve_app.checkpoints.prompt_encoding import TOKENIZATION_RULES
 from serve_app.config import ServeConfig
+from serve_app.generation_protocol import MAX_IDEMPOTENCY_KEY_CHARS
 from serve_app.profiles import generations_info
 from serve_app.reasoning import ThinkReasoningParser
+from serve_app.request_ids import MAX_ID_CHARS
 from serve_app.tool_parsers import parser_versions
 
 # Fields that change nothing here: accepted and ignored (never one that changes output).
@@ -91,6 +96,10 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "weights_sha256": identity["weights_sha256"],
             "tokenizer_sha256": identity["tokenizer_sha256"],
             "chat_template_sha256": identity["chat_template_sha256"],
+            "chat_template_source": identity.get("chat_template_source"),
+            # Set when the weights were dequantized from a GGUF file (docs/checkpoints.md).
+            "gguf_sha256": identity.get("gguf_sha256"),
+            "gguf_quant_type": identity.get("gguf_quant_type"),
             "fingerprint": identity["fingerprint"],
             "architecture": identity["architecture"],
             "dtype": identity["dtype"],
@@ -100,6 +109,17 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "enforced_during_decode": bool(identity.get("grammar", {}).get("available")),
             "kinds": ["json_object", "json_schema", "regex", "grammar", "choice"],
             "strict_structured_output": config.grammar.strict_structured_output,
+            "json_schema_refs": "local only ('#', '#/...'); any other $ref is 400 invalid_grammar",
+            "exactness": "a constraint is enforced exactly or refused (400 invalid_grammar), "
+            "never widened",
+            "compile_pool": {
+                "workers": config.grammar.compile_workers,
+                "max_queue": config.grammar.max_compile_queue,
+                "max_queue_wait_s": config.grammar.max_compile_queue_wait_s,
+                "saturated": "503 overloaded with Retry-After",
+                "timeout": "counted from the start of compilation on a worker of its own; "
+                "past it the worker is killed: 400 invalid_grammar (the spec's fault)",
+            },
         },
         "limits": {
             "max_model_len": identity["max_model_len"],
@@ -109,9 +129,17 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "max_stop_sequences": config.limits.max_stop_sequences,
             "max_grammar_spec_bytes": config.grammar.max_spec_bytes,
             "grammar_compile_timeout_s": config.grammar.compile_timeout_s,
+            "max_schema_depth": config.grammar.max_schema_depth,
+            "max_schema_nodes": config.grammar.max_schema_nodes,
             "max_top_logprobs": 20,
+            "max_json_depth": client_json.MAX_JSON_DEPTH,
         },
-        "tool_calling": tool_calling_info(config),
+        "request_input": request_input_info(),
+        "tool_calling": {
+            **tool_calling_info(config),
+            # False: the chat template ignores `tools`, so requests naming them are refused.
+            "chat_template_renders_tools": identity.get("chat_template_renders_tools", True),
+        },
         "auth": {
             "api_keys_required": config.api_keys is not None,
             "scheme": "Authorization: Bearer <key>",
@@ -124,6 +152,7 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "ignored_fields": IGNORED_FIELDS,
         },
         "token_id_prompts": "special tokens are not added to token-id prompts",
+        "tokenization": TOKENIZATION_RULES,
         "deadlines": {
             "client": "X-Request-Timeout-Ms header or the `timeout` field (seconds)",
             "default_timeout_s": config.engine.default_timeout_s,
@@ -160,6 +189,41 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "max_num_seqs": config.engine.max_num_seqs,
             "block_size": config.engine.block_size,
             "prefix_caching": config.engine.enable_prefix_caching,
+        },
+        "prefix_cache": prefix_cache_info(
+            config.engine.enable_prefix_caching, config.engine.shared_prefix_tenants
+        ),
+    }
+
+
+def request_input_info() -> dict[str, Any]:
+    """What a request's body and identity headers must be (each refusal: 400 invalid_request
+    naming the field or header)."""
+    return {
+        "json": (
+            f"a body, or JSON given as a string (structured_outputs.json), nests at most "
+            f"{client_json.MAX_JSON_DEPTH} levels of arrays and objects; NaN and Infinity are "
+            "not JSON"
+        ),
+        "text": "every string is Unicode text: a lone UTF-16 surrogate escape (\\ud800) is "
+        "refused, naming the field",
+        "X-Request-Id": {"max_chars": MAX_ID_CHARS, "charset": "printable characters"},
+        "Idempotency-Key": {
+            "max_chars": MAX_IDEMPOTENCY_KEY_CHARS,
+            "charset": "printable characters; surrounding whitespace is trimmed",
+        },
+        "echoed_text": f"client text in an error message is cut to {errors.MAX_ECHO_CHARS} "
+        "characters",
+        "routes": {
+            "unknown_path": "404 not_found",
+            "wrong_method": "405 method_not_allowed with an Allow header",
+            "/-/routes": (
+                "Serve's route table: needs an API key when the server has keys"
+                if proxy_flow.is_enabled()
+                else "Serve's route table: open here (the proxy hook is not installed); "
+                "block it in front of the proxy"
+            ),
+            "/-/healthz": "open, answers only whether the proxy is healthy",
         },
     }
 
