@@ -478,6 +478,39 @@ def test_a_generation_reuses_only_its_own_tenant_prefix(keyed: Keyed):
     assert cached_input("key-epsilon") == 0
 
 
+def test_one_tenants_schema_attack_does_not_starve_another_tenants_schema(keyed: Keyed):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def nested(levels: int, leaf: dict) -> dict:
+        for i in range(levels):
+            leaf = {"type": "object", "properties": {f"k{i}": leaf}, "required": [f"k{i}"]}
+        return leaf
+
+    def with_schema(schema: dict, **fields) -> dict:
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        return chat(response_format=fmt, max_tokens=4, **fields)
+
+    # Alpha: four ~24 KB schemas nested 360 deep, and four at the depth limit that do compile.
+    attack = [with_schema(nested(360, {"type": "integer"}))] * 4
+    attack += [
+        with_schema(nested(30, {"type": "string", "pattern": f"[a-z]{{{i}}}"}))
+        for i in (1, 2, 3, 4)
+    ]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda body: post(keyed, "key-alpha", body), attack))
+    assert all(r.status_code in (200, 400) for r in answers), [r.text[:200] for r in answers]
+    assert {error_of(r)["code"] for r in answers[:4]} <= {
+        "invalid_request",
+        "request_limit_exceeded",
+    }
+    # Beta's fresh trivial schema, at once: compiled, not refused as a timeout or an overload.
+    fresh = {"type": "object", "properties": {f"b{time.time_ns()}": {"type": "boolean"}}}
+    started = time.monotonic()
+    r = post(keyed, "key-beta", with_schema(fresh))
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - started < 2.0
+
+
 def test_completed_generations_survive_a_restart_on_postgresql(keyed: Keyed):
     from ray import serve
 
