@@ -1,4 +1,5 @@
-"""The served artifact's identity: hashes of weights, tokenizer and chat template.
+"""The served artifact's identity: hashes of weights, tokenizer and chat template, and of the
+GGUF file a converted checkpoint came from.
 
 Two deployments with the same weights and a different template are different artifacts, so
 every answer names all of them.
@@ -10,6 +11,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
+
+from actors.models.gguf import read_source
 
 CACHE_DIR = Path(os.environ.get("SERVE_APP_CACHE", Path.home() / ".cache" / "serve-app"))
 
@@ -61,6 +64,9 @@ def artifact_identity(
         "tokenizer_sha256": tokenizer_hash(model_dir),
         "chat_template_sha256": hashlib.sha256((chat_template or "").encode()).hexdigest(),
     }
+    source = read_source(model_dir)
+    if source is not None:  # a folder converted from a GGUF file: name the file too
+        identity.update(gguf_sha256=source.gguf_sha256, gguf_quant_type=source.gguf_quant_type)
     identity.update(extra or {})
     identity["fingerprint"] = (
         "fp_"

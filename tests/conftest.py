@@ -11,8 +11,8 @@ from serve_app import ray_env
 # workers inherit the environment a served Ray gets: flow middleware, gRPC data plane.
 ray_env.prepare()
 
-# Fixtures shared by the grammar test modules.
-pytest_plugins = ["grammar_fixtures", "postgres_fixtures"]
+# Fixtures shared by the grammar, store and trained-model test modules.
+pytest_plugins = ["grammar_fixtures", "postgres_fixtures", "trained_fixtures"]
 
 # ---------------------------------------------------------------- factory checkpoints
 
@@ -70,10 +70,10 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def serve_url(ray_session, model_dirs, tmp_path_factory):
     """The whole graph on the tiny llama, served on a free loopback port for the session."""
+    from admin_client import wait_reporting
     from generation_fixtures import generation_options
     from ray import serve
 
-    from serve_app.admin import start_admin
     from serve_app.app import APP_NAME, build_app
     from serve_app.config import ServeConfig
     from serve_app.server import wait_healthy
@@ -86,15 +86,15 @@ def serve_url(ray_session, model_dirs, tmp_path_factory):
         generations=generation_options(tmp_path_factory.mktemp("data")),
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    admin = start_admin(config.model_id, config.admin_host, config.admin_port, None)
+    # The app brings its admin API (on config.admin_port) with it.
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout_s=180)
         _SERVED["admin_url"] = f"http://127.0.0.1:{config.admin_port}"
+        wait_reporting(_SERVED["admin_url"])
         yield url
     finally:
-        ray_session.kill(admin)
         serve.shutdown()
 
 
