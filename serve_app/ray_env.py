@@ -9,7 +9,8 @@ its processes (controller, proxy, replicas) starts, and they inherit it from the
   hop instead of about 730, and at 16 streams the served tokens/s rise by about 30% (README).
 
 An operator's own value of either setting is left in place. A cluster started by `ray
-start` needs the same settings in that command's environment (cluster.yaml has them).
+start` (or by Ray's `serve run CONFIG`) needs the same settings in that command's
+environment: cluster.yaml has them, docs/deploy.md shows the commands.
 """
 
 from __future__ import annotations
@@ -21,12 +22,26 @@ from serve_app import proxy_flow
 GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
 # What every node's `ray start` needs in its environment.
 SETTINGS = {proxy_flow.CALLBACK_ENV: proxy_flow.CALLBACK_PATH, GRPC_ENV: "1"}
+# A task on the head answers within this (a fresh worker starts in a few seconds).
+PROBE_TIMEOUT_S = 60.0
 
 
 def prepare() -> None:
     """Call before this process starts a local Ray."""
     for name, value in SETTINGS.items():
         os.environ.setdefault(name, value)
+
+
+def head_has_proxy_hook() -> bool:
+    """Whether the cluster's proxy (on the head) runs our middleware. Asked of a task on the
+    head node: a worker's environment is its raylet's, the proxy's too, whatever the
+    environment of the process that deploys."""
+    import ray
+
+    from serve_app.admin import HEAD_ONLY
+
+    probe = ray.remote(num_cpus=0, resources=HEAD_ONLY)(proxy_flow.is_enabled)
+    return bool(ray.get(probe.remote(), timeout=PROBE_TIMEOUT_S))
 
 
 def grpc_data_plane() -> bool:

@@ -16,3 +16,16 @@ def engine_timeline(admin_url: str, request_id: str) -> dict:
             return r.json()
         assert r.status_code == 404 and time.monotonic() < deadline, r.text
         time.sleep(0.1)
+
+
+def wait_reporting(admin_url: str, num_replicas: int = 1, timeout_s: float = 30) -> dict:
+    """The admin stats once every engine replica has reported. The admin server and the
+    engines are replicas of one app that start side by side: an engine's first report lands
+    a few tenths of a second after both are up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = httpx.get(f"{admin_url}/admin/v1/stats", timeout=10).json()
+        if len(stats["replicas"]) >= num_replicas:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)

@@ -1,5 +1,5 @@
 """A second Serve app next to the session's one: same Ray, same HTTP proxy, its own name and
-route prefix (one proxy port per Ray session), optionally its own admin port (without keys)."""
+route prefix (one proxy port per Ray session), its own admin port (every app serves one)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,16 @@ from contextlib import contextmanager
 SIDE_KV_CACHE_BYTES = 32 * 1024**2
 
 
-def side_config(model_dir, model_name: str, data_dir, *, engine=None, admin=False, **fields):
-    """A side app's ServeConfig: its own model name and generations folder, a small KV cache
-    (`engine` adds to or overrides it), and with `admin` an admin port of its own."""
+def side_config(model_dir, model_name: str, data_dir, *, engine=None, **fields):
+    """A side app's ServeConfig: its own model name, generations folder and admin port, and a
+    small KV cache (`engine` adds to or overrides it)."""
     from conftest import free_port
 
     from serve_app.config import ServeConfig
     from serve_app.profiles import GenerationOptions
 
     generations = GenerationOptions(data_dir=str(data_dir), **fields.pop("generations", {}))
-    if admin:
-        fields["admin_port"] = free_port()
+    fields.setdefault("admin_port", free_port())
     return ServeConfig(
         model=str(model_dir),
         served_model_name=model_name,
@@ -46,18 +45,14 @@ def side_app(
     config, name: str, prefix: str, serve_url: str, ray_session, *, admin: bool = False
 ) -> Iterator[tuple[str, str | None]]:
     """The app's public URL and (with `admin`) its admin URL; deleted on the way out."""
+    from admin_client import wait_reporting
     from ray import serve
 
-    from serve_app.admin import start_admin
-
-    actor = (
-        start_admin(config.model_id, config.admin_host, config.admin_port, None) if admin else None
-    )
     url = f"{serve_url}{prefix}"
+    admin_url = f"http://127.0.0.1:{config.admin_port}"
     try:
         deploy(config, name, url, prefix)
-        yield url, (f"http://127.0.0.1:{config.admin_port}" if admin else None)
+        wait_reporting(admin_url, config.engine.num_replicas)
+        yield url, (admin_url if admin else None)
     finally:
-        if actor is not None:
-            ray_session.kill(actor)
         serve.delete(name)

@@ -38,7 +38,6 @@ def flow_app(serve_url, ray_session, model_dirs, tmp_path_factory):
         MODEL,
         tmp_path_factory.mktemp("flow-data"),
         engine={"block_size": BLOCK_SIZE, "hold_timeout_s": HOLD_TIMEOUT_S},
-        admin=True,
     )
     with side_app(config, "serve-app-flow", "/flow", serve_url, ray_session, admin=True) as apps:
         yield apps

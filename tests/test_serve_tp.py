@@ -12,6 +12,7 @@ pytestmark = pytest.mark.serve
 
 @pytest.fixture(scope="module")
 def tp2_url(serve_url, model_dirs):
+    from conftest import free_port
     from ray import serve
 
     from serve_app.app import build_app
@@ -20,6 +21,7 @@ def tp2_url(serve_url, model_dirs):
     config = ServeConfig(
         model=str(model_dirs("llama")),
         served_model_name="tiny-tp2",
+        admin_port=free_port(),
         engine={"tensor_parallel_size": 2},
     )
     serve.run(build_app(config), name="tp2", route_prefix="/tp2", blocking=False)
