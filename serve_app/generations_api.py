@@ -41,9 +41,14 @@ from serve_app.store import (
 logger = logging.getLogger(__name__)
 
 
+def sse_frame(name: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event; every event's JSON is compact, like the OpenAI stream's."""
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
 def sse_event(event: Event) -> bytes:
     name = "output.delta" if event.kind == "delta" else "generation.finished"
-    return f"event: {name}\ndata: {json.dumps(event.data, separators=(',', ':'))}\n\n".encode()
+    return sse_frame(name, event.data)
 
 
 class GenerationsAPI:
@@ -184,7 +189,7 @@ class GenerationsAPI:
 
     async def _sse(self, live: Live, sub: Any, created: dict[str, Any]) -> AsyncIterator[bytes]:
         try:
-            yield f"event: generation.created\ndata: {json.dumps(created)}\n\n".encode()
+            yield sse_frame("generation.created", created)
             while True:
                 event = await sub.queue.get()
                 yield sse_event(event)

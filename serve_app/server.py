@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 import urllib.request
 
 from serve_app import proxy_flow, ray_env
-from serve_app.admin import start_admin
 from serve_app.config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
-# The admin server actor of the running deployment (started and stopped with it).
-_ADMIN = None
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (or SIGTERM) before the server was up
+# How long a stop waits for Serve's controller to remove the apps, replicas and proxies.
+SHUTDOWN_TIMEOUT_S = 30.0
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 def wait_healthy(url: str, timeout_s: float) -> None:
@@ -42,36 +45,21 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     from serve_app.app import APP_NAME, build_app, engine_placement
     from serve_app.placement import wait_deployed
 
-    if not ray.is_initialized() and not config.ray_address:
+    starts_ray = not ray.is_initialized() and not config.ray_address
+    if starts_ray:
         # Before Ray starts: its proxy and replicas inherit this process's environment.
         ray_env.prepare()
-    if not proxy_flow.is_enabled():
-        logger.warning(
-            "%s is not %s here: a client that stops reading is held only when its "
-            "engine window fills",
-            proxy_flow.CALLBACK_ENV,
-            proxy_flow.CALLBACK_PATH,
-        )
     if not ray.is_initialized():
         if config.ray_address:
             ray.init(address=config.ray_address, log_to_driver=False)
         else:
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                log_to_driver=False,
-                **(ray_init_kwargs or {}),
-            )
-    global _ADMIN
+            _init_local_ray(ray_init_kwargs or {})
+    _quiet_serve_driver_log()
     # NOTE: one proxy, on the head: the public address of a cluster is its head node.
     serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port})
-    _ADMIN = start_admin(
-        config.model_id,
-        config.admin_host,
-        config.admin_port,
-        config.admin_api_key,
-        config.api_keys,
-    )
+    # The app brings its admin API with it (app.py); the proxy hook is the head's raylet's.
+    if not (proxy_flow.is_enabled() if starts_ray else ray_env.head_has_proxy_hook()):
+        logger.warning(proxy_flow.MISSING_HOOK_WARNING)
     # Not `serve.run`: it waits for RUNNING, for ever when a replica cannot be placed.
     target = serve.RunTarget(build_app(config), name=APP_NAME, route_prefix="/")
     serve.run_many([target], wait_for_applications_running=False)
@@ -82,35 +70,116 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     return url
 
 
+def choose_local_auth_mode() -> None:
+    """Call before this process imports Ray, when it is to start a local one. Ray turns token
+    authentication on by default for a local cluster and warns so on every start unless
+    RAY_AUTH_MODE says it; saying "token" keeps that default (the token in ~/.ray/auth_token)
+    without the warning. An operator's own value stays."""
+    # NOTE: Ray reads the mode once, when it is imported; set later, the driver and the
+    # cluster it starts disagree and the start fails.
+    if "ray" not in sys.modules:
+        os.environ.setdefault(AUTH_MODE_ENV, "token")
+
+
+def _init_local_ray(kwargs: dict) -> None:
+    import ray
+
+    # The driver's "ray" logger at WARNING: "Started a local Ray instance." is not news.
+    kwargs = {"include_dashboard": False, "logging_level": logging.WARNING, **kwargs}
+    ray.init(address="local", log_to_driver=False, **kwargs)
+
+
+def _quiet_serve_driver_log() -> None:
+    """Serve's driver-side INFO lines off, its warnings and errors kept. `serve.run_many` calls
+    Serve's start again itself, which logs "Connecting to existing Serve app ... New
+    http_options will not be applied" every time; `serve.start` (the only public way to set
+    http_options) has applied ours already, so the line is noise and wrong."""
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
 def stop() -> None:
     import ray
-    from ray import serve
 
-    global _ADMIN
-    if _ADMIN is not None:
-        ray.kill(_ADMIN)
-        _ADMIN = None
-    serve.shutdown()
     if ray.is_initialized():
+        _shutdown_serve(SHUTDOWN_TIMEOUT_S)
         ray.shutdown()
 
 
+def _shutdown_serve(timeout_s: float) -> None:
+    """`serve.shutdown()`, without the raylet's "Task ServeController.graceful_shutdown
+    failed ... killed by `ray.kill`" line it prints on every stop."""
+    import ray
+    from ray import serve
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    def controller():
+        try:
+            return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:
+            return None
+
+    handle = controller()
+    if handle is None:
+        return
+    # NOTE: serve.shutdown() waits on graceful_shutdown(wait=True), a call that by design ends
+    # only when the controller kills itself; that kill fails the call, which Serve marks as
+    # retried for ever, and the raylet reports it. Ask without waiting, then watch the
+    # controller go: it removes the apps, the replicas and the proxies first.
+    deadline = time.monotonic() + timeout_s
+    try:
+        ray.get(handle.graceful_shutdown.remote(False), timeout=timeout_s)
+    except ray.exceptions.RayActorError:
+        return
+    except ray.exceptions.GetTimeoutError:
+        pass  # a stuck controller: reported below
+    while controller() is not None:
+        if time.monotonic() > deadline:
+            logger.warning("Serve did not stop within %.0fs (see its controller's log)", timeout_s)
+            return
+        time.sleep(0.1)
+    serve.shutdown()  # the controller is gone: this only forgets Serve's cached client
+
+
 def run_forever(config: ServeConfig) -> None:
+    """Start, print the banner, serve until SIGINT/SIGTERM, stop. A signal during the start
+    stops what has started and raises KeyboardInterrupt; a second one during a stop exits at
+    once (Ray's reaper ends the local cluster's processes)."""
+    print(f"starting {config.model_id} from {config.model} ...", flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # like Ctrl-C until it is up
     try:
         url = start(config)
     except BaseException:
+        _forced_exit_on_next_signal()
         stop()
         raise
-    print(
-        f"serving {config.model_id} at {url}/v1 (admin: http://{config.admin_host}:"
-        f"{config.admin_port}/admin/v1/stats; Ctrl-C to stop)",
-        flush=True,
-    )
+    print(banner(config, url), flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     try:
         done.wait()
     finally:
-        print("shutting down", flush=True)
+        print("stopping (Ctrl-C again to force)", flush=True)
+        _forced_exit_on_next_signal()
         stop()
+        print("stopped", flush=True)
+
+
+def banner(config: ServeConfig, url: str) -> str:
+    admin = f"http://{config.admin_host}:{config.admin_port}/admin/v1/stats"
+    rows = (
+        ("model", f"{config.model_id} ({config.model})"),
+        ("OpenAI API", f"{url}/v1"),
+        ("admin API", admin),
+        ("stop", "Ctrl-C (or SIGTERM)"),
+    )
+    return "ready\n" + "\n".join(f"  {name:<11}{value}" for name, value in rows)
+
+
+def _forced_exit_on_next_signal() -> None:
+    def force(*_: object) -> None:
+        print("forced exit", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, force)

@@ -105,7 +105,7 @@ class Server:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if line.startswith("serving "):
+            if line == "ready\n":  # the banner's first line: /health is green
                 self.serving.set()
 
     @property
@@ -200,7 +200,7 @@ def test_tp4_on_2_gpu_nodes_fails_within_the_placement_timeout_naming_bundles_an
     assert f"[{{'CPU': 1.0}}, {rank}, {rank}, {rank}, {rank}] (STRICT_PACK)" in out
     assert "needs {'CPU': 5.0, 'GPU': 4.0} on one node" in out
     assert "the largest of the 3 nodes has {'CPU': 3.0, 'GPU': 2.0}" in out
-    assert "serving " not in out
+    assert "ready\n" not in out
     # Never green while no engine could be placed (the ingress itself was up).
     assert 200 not in health, health
     # Bounded: process start and Serve start-up, then the placement timeout, then teardown.

@@ -125,6 +125,21 @@ def test_stream_events_in_order_and_the_resource_saved_before_the_end(serve_url)
     assert httpx.get(f"{serve_url}/v1/generations/{created['id']}").json() == finished
 
 
+def test_every_stream_event_is_compact_json(serve_url):
+    body = reply_body(execution="stream", max_output_tokens=4)
+    with httpx.stream("POST", f"{serve_url}/v1/generations", json=body, timeout=120) as r:
+        raw = r.read().decode()
+    frames = [f for f in raw.split("\n\n") if f]
+    assert [f.split("\n")[0] for f in (frames[0], frames[-1])] == [
+        "event: generation.created",
+        "event: generation.finished",
+    ]
+    for frame in frames:
+        data = frame.split("\n")[1].removeprefix("data: ")
+        # Byte for byte what a compact encoder writes: no ", " or ": " between tokens.
+        assert data == json.dumps(json.loads(data), separators=(",", ":")), frame
+
+
 def test_a_disconnected_stream_keeps_generating_to_the_end(serve_url):
     body = reply_body(execution="stream", max_output_tokens=300)
     with httpx.stream("POST", f"{serve_url}/v1/generations", json=body, timeout=120) as r:

@@ -87,5 +87,9 @@ def test_quickstart_notebook_runs_and_stops_its_server(
     assert "replayed: true True" in joined
     assert re.search(r"batch: 4 rows -> .*\n  completed \d+, incomplete \d+, failed 1\n", joined)
     assert "server exit code 0" in joined
+    # The server's whole output, which the stop cell prints: its banner and a clean stop.
+    stop_cell = next(t for t in texts if "server exit code" in t)
+    assert "\nready\n" in stop_cell and stop_cell.rstrip().endswith("\nstopped"), stop_cell
+    assert not re.search(r"WARNING|ERROR|Traceback", stop_cell), stop_cell
     plots = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(plots) == 1
