@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from serve_app import errors, proxy_flow, ray_env
 from serve_app.access.proxy_keys import register_keys, unregister_keys
+from serve_app.access.public_bind import proxy_host, refuse_open_public_bind
 from serve_app.auth import principal_of
 from serve_app.auth_middleware import admission_middleware
 from serve_app.config import ServeConfig
@@ -52,6 +53,8 @@ class Ingress:
         identity: dict[str, Any],
         admin_handle: Any = None,
     ):
+        # Under serve run / serve deploy the proxy's address is Serve's, not ServeConfig's.
+        refuse_open_public_bind(config, proxy_host())
         self.config = config
         self.identity = identity
         self.created = int(time.time())
