@@ -12,7 +12,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -102,11 +102,19 @@ def make_model(
     validate_args(arch, preset, seed)
     out = Path(out_dir).expanduser().absolute()
     _check_replaceable(out, force)
+    return swap_in_folder(
+        out, lambda staging: _write_checkpoint(staging, arch, PRESET_SPECS[preset], seed)
+    )
+
+
+def swap_in_folder(out: Path, fill: Callable[[Path], object]) -> Path:
+    """`fill` a folder built beside `out`, then swap it in: an interrupted run never leaves
+    half a checkpoint."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and swap it in, so an interrupted run never leaves half a model.
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide an ordinary checkpoint from others
     try:
-        _write_checkpoint(staging, arch, PRESET_SPECS[preset], seed)
+        fill(staging)
         if out.is_dir():
             shutil.rmtree(out)
         os.replace(staging, out)

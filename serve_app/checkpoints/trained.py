@@ -86,7 +86,7 @@ def make_trained_model(out_dir: str | os.PathLike[str], name: str, *, force: boo
     """Write the preset's Hugging Face folder to `out_dir` (fetching and converting its GGUF on
     first use) and return its path. Replaces `out_dir` on the rules `make_model` follows."""
     from actors.models.gguf import SOURCE_FILE, gguf_checkpoint
-    from serve_app.model_factory import CHECKPOINT_FILES
+    from serve_app.model_factory import CHECKPOINT_FILES, swap_in_folder
 
     if name not in TRAINED_PRESETS:
         raise ValueError(
@@ -95,19 +95,12 @@ def make_trained_model(out_dir: str | os.PathLike[str], name: str, *, force: boo
     out = Path(out_dir).expanduser().absolute()
     _check_replaceable(out, CHECKPOINT_FILES | {SOURCE_FILE}, force)
     converted = gguf_checkpoint(fetch_gguf(name))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    staging.chmod(0o755)  # mkdtemp's 0700 would hide an ordinary checkpoint from others
-    try:
+
+    def fill(staging: Path) -> None:
         for file in sorted(converted.iterdir()):
             _link_or_copy(file, staging / file.name)
-        if out.is_dir():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+
+    return swap_in_folder(out, fill)
 
 
 def _check_replaceable(out: Path, known: frozenset[str], force: bool) -> None:
