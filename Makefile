@@ -53,16 +53,23 @@ test: $(STAMP) lint demo-model
 	$(PY) -m pytest -q
 
 # Every benchmark, one after the other (each needs the cores to itself); JSON + PNG each.
-bench: $(STAMP)
-	mkdir -p benchmarks/results
-	$(PY) benchmarks/engine.py --out benchmarks/results/engine.json
-	$(PY) benchmarks/serving.py --out benchmarks/results/serving.json
-	$(PY) benchmarks/serving.py --replicas 1,2 --out benchmarks/results/replicas.json
-	$(PY) benchmarks/peer.py --out benchmarks/results/peer.json
-	$(PY) benchmarks/peer.py --dtype bfloat16 --out benchmarks/results/peer_bf16.json
-	$(PY) benchmarks/batch.py --out benchmarks/results/batch.json
-	$(PY) benchmarks/lifecycle.py --out benchmarks/results/lifecycle.json
-	$(PY) benchmarks/serve_hop.py --out benchmarks/results/serve_hop.json
+# The trained demo model by default; the seeded `bench` shape beside it (`*_bench.json`).
+R := benchmarks/results
+bench: $(STAMP) demo-model
+	mkdir -p $(R)
+	@echo "==> benchmarks on $(DEMO_PRESET), then on the seeded bench shape; results in $(R)/"
+	$(PY) benchmarks/engine.py --out $(R)/engine.json
+	$(PY) benchmarks/engine.py --model bench --out $(R)/engine_bench.json
+	$(PY) benchmarks/serving.py --out $(R)/serving.json
+	$(PY) benchmarks/serving.py --model bench --out $(R)/serving_bench.json
+	$(PY) benchmarks/serving.py --replicas 1,2 --out $(R)/replicas.json
+	$(PY) benchmarks/peer.py --out $(R)/peer.json
+	$(PY) benchmarks/peer.py --model bench --out $(R)/peer_bench.json
+	$(PY) benchmarks/peer.py --dtype bfloat16 --out $(R)/peer_bf16.json
+	$(PY) benchmarks/batch.py --out $(R)/batch.json
+	$(PY) benchmarks/batch.py --model bench --out $(R)/batch_bench.json
+	$(PY) benchmarks/lifecycle.py --out $(R)/lifecycle.json
+	$(PY) benchmarks/serve_hop.py --out $(R)/serve_hop.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache

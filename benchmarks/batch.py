@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import checkpoint, mixed_requests, venv_tool, write_json  # noqa: E402
+from common import DEFAULT_MODEL, mixed_requests, resolve_model, venv_tool, write_json  # noqa: E402
 
 TARGET_RATIO = 0.8
 
@@ -132,12 +132,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="a trained preset, a seeded preset (bench, tiny) or a checkpoint folder / GGUF",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny checkpoint, 16 short rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    preset = "tiny" if args.quick else "bench"
+    checkpoint = resolve_model("tiny" if args.quick else args.model)
     rows = 16 if args.quick else args.rows
-    path = checkpoint("llama", preset)
+    path = checkpoint.path
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     outputs = (8, 32) if args.quick else (16, 256)
     requests = mixed_requests(rows, vocab, (16, 256), outputs)
@@ -156,7 +161,8 @@ def main() -> None:
     # The probe's whole pipeline is start-up plus ~100 tokens of work.
     past_startup = batch["output_tokens"] / (batch["pipeline_s"] - probe["pipeline_s"])
     result = {
-        "checkpoint": f"llama-{preset}",
+        "checkpoint": checkpoint.label,
+        "dtype": "float32",
         "rows": rows,
         "threads": args.threads,
         "batch_job": batch,

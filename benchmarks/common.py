@@ -6,8 +6,35 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 CACHE = Path.home() / ".cache" / "serve-app" / "models"
+# What every benchmark runs on unless told otherwise: the trained demo model.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SEEDED_PRESETS = ("tiny", "bench")
+
+
+class Model(NamedTuple):
+    path: str  # a Hugging Face folder
+    label: str  # what the JSON calls it
+
+
+def resolve_model(name: str) -> Model:
+    """`--model`: a trained preset (`smollm2-135m-instruct`, the folder `make demo-model`
+    writes), a seeded random preset (`bench`, `tiny`: llama shape), or a checkpoint folder
+    or GGUF file."""
+    from serve_app.checkpoints.trained import TRAINED_PRESETS, make_trained_model
+
+    if name in TRAINED_PRESETS:
+        path = CACHE / name
+        if not (path / "config.json").is_file():
+            make_trained_model(path, name)
+        return Model(str(path), name)
+    if name in SEEDED_PRESETS:
+        return Model(checkpoint("llama", name), f"llama-{name}")
+    from actors.models.gguf import resolve_checkpoint
+
+    return Model(resolve_checkpoint(name), Path(name).name)
 
 
 def checkpoint(arch: str = "llama", preset: str = "bench", seed: int = 0) -> str:

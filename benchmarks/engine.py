@@ -14,7 +14,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Timer, checkpoint, mixed_requests, write_json  # noqa: E402
+from common import DEFAULT_MODEL, Timer, mixed_requests, resolve_model, write_json  # noqa: E402
+from step_breakdown import run as step_breakdown  # noqa: E402
 
 from actors import LLM, SamplingParams  # noqa: E402
 
@@ -104,13 +105,22 @@ def prefix_cache_ttft(llm: LLM, vocab: int) -> dict:
 
 
 def tensor_parallel(path: str, requests) -> dict:
+    """TP=1 against the smallest TP size above 1 that divides the model's heads (2 on
+    `bench`, 3 on SmolLM2's 9 heads over 3 KV heads)."""
+    import math
+
     import ray
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    heads = math.gcd(config.num_attention_heads, config.num_key_value_heads)
+    wide = next(n for n in range(2, heads + 1) if heads % n == 0)
 
     # address="local": never join another Ray that happens to run on this machine.
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         out = {}
-        for tp in (1, 2):
+        for tp in (1, wide):
             llm = LLM(model=path, tensor_parallel_size=tp)
             ours_offline(llm, requests[:4])  # warm-up
             seconds = ours_offline(llm, requests)
@@ -120,10 +130,10 @@ def tensor_parallel(path: str, requests) -> dict:
                 "tokens_per_s": tokens / seconds,
                 "ms_per_step": seconds / max(steps, 1) * 1e3,
             }
-            if tp == 2:
+            if tp > 1:
                 out["step_overhead_ms"] = llm.engine.executor.measure_step_overhead() * 1e3
             llm.shutdown()
-        out["tp2_over_tp1"] = out["tp2"]["tokens_per_s"] / out["tp1"]["tokens_per_s"]
+        out[f"tp{wide}_over_tp1"] = out[f"tp{wide}"]["tokens_per_s"] / out["tp1"]["tokens_per_s"]
         return out
     finally:
         ray.shutdown()
@@ -136,7 +146,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     thr = result["offline_throughput"]
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    fig, (ax, parts_ax) = plt.subplots(1, 2, figsize=(12, 3.8))
     names, values = ["ours", "transformers\n(static batches)"], [thr["ours_tok_s"], thr["hf_tok_s"]]
     if "cpu_linear" in result:
         names.insert(1, "ours, F.linear\n(no packing)")
@@ -146,9 +156,25 @@ def plot(result: dict, path: str) -> None:
         values.insert(1, result["decode_gather"]["fresh_tok_s"])
     ax.bar(names, values)
     ax.set_ylabel("useful output tokens/s")
-    ax.set_title(f"{thr['num_requests']} mixed requests, bench checkpoint (CPU)")
+    ax.set_title(f"{thr['num_requests']} mixed requests, {result['checkpoint']} (CPU)")
+    _plot_breakdown(parts_ax, result["step_breakdown"])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _plot_breakdown(ax, steps: list[dict]) -> None:
+    """Stacked bars: a decode step's milliseconds by part, at each batch size."""
+    from step_breakdown import PARTS
+
+    labels = [f"batch {s['batch']}" for s in steps]
+    bottom = [0.0] * len(steps)
+    for part in PARTS:
+        values = [s["ms"][part] for s in steps]
+        ax.bar(labels, values, bottom=bottom, label=part.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("where a decode step goes")
+    ax.legend(fontsize=7)
 
 
 def dense_linear(path: str, requests, packed_s: float) -> dict:
@@ -224,15 +250,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="a trained preset, a seeded preset (bench, tiny) or a checkpoint folder / GGUF",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny checkpoint, few requests")
     parser.add_argument("--skip-tp", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    preset = "tiny" if args.quick else "bench"
+    model = resolve_model("tiny" if args.quick else args.model)
+    path = model.path
     n = 8 if args.quick else args.num_requests
-    path = checkpoint("llama", preset)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
     requests = mixed_requests(n, vocab, output_range=(16, 64 if args.quick else 256))
@@ -243,7 +274,9 @@ def main() -> None:
     hf_s = hf_static_batches(hf, requests, args.hf_batch_size)
     result = {
         "machine": {"torch_threads": torch.get_num_threads(), "device": "cpu"},
-        "checkpoint": f"llama-{preset}",
+        "checkpoint": model.label,
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
         "offline_throughput": {
             "num_requests": n,
             "useful_output_tokens": tokens,
@@ -256,6 +289,10 @@ def main() -> None:
         "prefix_cache": {**prefix_cache_ttft(llm, vocab), "target_ratio": 0.3},
     }
     llm.shutdown()
+    batches = [1, 4] if args.quick else [1, 16, 64]
+    result["step_breakdown"] = step_breakdown(
+        path, batches, steps=5 if args.quick else 20, prompt_len=128
+    )
     result["cpu_linear"] = dense_linear(path, requests, ours_s)
     streams = 16 if args.quick else 96
     stream_requests = mixed_requests(streams, vocab, (64, 256), (64, 64), seed=2)

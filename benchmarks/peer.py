@@ -29,9 +29,10 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    checkpoint,
+    DEFAULT_MODEL,
     closed_loop,
     free_port,
+    resolve_model,
     stream_summary,
     text_prompts,
     venv_tool,
@@ -244,6 +245,11 @@ def main() -> None:
     parser.add_argument("--levels", default="1,4,16")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch threads for each server")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="a trained preset, a seeded preset (bench, tiny) or a checkpoint folder / GGUF",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny checkpoint, few requests")
     parser.add_argument(
         "--dtype", default="float32", help="weights dtype for both servers (float32, bfloat16)"
@@ -252,16 +258,16 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    preset = "tiny" if args.quick else "bench"
+    checkpoint = resolve_model("tiny" if args.quick else args.model)
     levels = [int(x) for x in args.levels.split(",")]
     max_tokens = 16 if args.quick else args.max_tokens
     per_level = (lambda c: max(c, 4)) if args.quick else (lambda c: max(2 * c, 8))
-    path = checkpoint("llama", preset)
+    path = checkpoint.path
     tokenizer = AutoTokenizer.from_pretrained(path)
     requests = text_prompts(path, WARMUP_REQUESTS + sum(per_level(c) for c in levels))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env.pop("RAY_ADDRESS", None)  # ours starts its own local Ray
-    result: dict = {"checkpoint": f"llama-{preset}", "threads": args.threads, "dtype": args.dtype}
+    result: dict = {"checkpoint": checkpoint.label, "threads": args.threads, "dtype": args.dtype}
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as log_dir:
         for side, start in (
             ("ours", lambda: start_ours(path, args.threads, log_dir, env, args.dtype)),

@@ -18,10 +18,11 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    checkpoint,
+    DEFAULT_MODEL,
     closed_loop,
     free_port,
     mixed_requests,
+    resolve_model,
     stream_summary,
     write_json,
 )
@@ -171,7 +172,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--levels", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="a trained preset, a seeded preset (bench, tiny) or a checkpoint folder / GGUF",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny checkpoint")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     parser.add_argument(
@@ -184,10 +190,11 @@ def main() -> None:
     from serve_app.config import ServeConfig
     from serve_app.server import start, stop
 
-    path = checkpoint("llama", "tiny" if args.quick else "bench")
+    checkpoint = resolve_model("tiny" if args.quick else args.model)
+    path = checkpoint.path
     if args.replicas:
         counts = [int(x) for x in args.replicas.split(",")]
-        write_json(replicas_comparison(args, path, counts), args.out)
+        write_json(replicas_comparison(args, checkpoint, counts), args.out)
         return
     levels = [int(x) for x in args.levels.split(",")]
     reqs = mixed_requests(max(2 * max(levels), 16), 2048, (64, 256), (args.max_tokens,) * 2)
@@ -222,7 +229,9 @@ def main() -> None:
         stop()
     direct16 = direct_level(path, at16, 16, args.threads)
     result = {
-        "checkpoint": "llama-tiny" if args.quick else "llama-bench",
+        "checkpoint": checkpoint.label,
+        "dtype": "float32",
+        "threads": args.threads,
         "sweep": sweep,
         "http_vs_direct_at_16": {
             "http_tok_s": plain16["output_tok_s"],
@@ -247,7 +256,7 @@ def main() -> None:
         plot(result, os.path.splitext(args.out)[0] + ".png")
 
 
-def replicas_comparison(args: argparse.Namespace, path: str, counts: list[int]) -> dict:
+def replicas_comparison(args: argparse.Namespace, checkpoint, counts: list[int]) -> dict:
     """The same load at one concurrency against 1, 2, ... engine replicas (TP=1 each), one
     server start per count. On a machine with few cores the replicas share them: the ratio
     then measures the cost of splitting the batch, not a speed-up."""
@@ -255,6 +264,7 @@ def replicas_comparison(args: argparse.Namespace, path: str, counts: list[int]) 
     from serve_app.server import start, stop
 
     c = args.replica_concurrency
+    path = checkpoint.path
     reqs = mixed_requests(max(4 * c, 16), 2048, (64, 256), (args.max_tokens,) * 2)
     runs = []
     for n in counts:
@@ -277,7 +287,8 @@ def replicas_comparison(args: argparse.Namespace, path: str, counts: list[int]) 
             stop()
     base = runs[0]["output_tok_s"]
     return {
-        "checkpoint": "llama-tiny" if args.quick else "llama-bench",
+        "checkpoint": checkpoint.label,
+        "dtype": "float32",
         "cpus": os.cpu_count(),
         "threads_per_replica": args.threads,
         "runs": runs,
