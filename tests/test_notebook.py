@@ -15,7 +15,7 @@ NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ip
 
 SERVER_LINE = re.compile(r"server pid (\d+) serving at \S+:(\d+)")
 
-pytestmark = [pytest.mark.serve, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.serve, pytest.mark.trained, pytest.mark.timeout(1800)]
 
 
 def _outputs_text(cell: dict) -> str:
@@ -43,12 +43,13 @@ def _is_running(pid: int) -> bool:
 
 
 def test_quickstart_notebook_runs_and_stops_its_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trained_dir: Path
 ) -> None:
     import nbformat
     from nbclient import NotebookClient
 
     monkeypatch.setenv("QUICKSTART_DIR", str(tmp_path))
+    monkeypatch.setenv("QUICKSTART_MODEL", str(trained_dir))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # The client owns its kernel, so the kernel ends with execute(), even after a failed cell;
@@ -80,10 +81,14 @@ def test_quickstart_notebook_runs_and_stops_its_server(
         raise failure
 
     joined = "\n".join(texts)
-    # What a reader sees: a chat answer, a stream, schema-valid JSON, a generation resource
-    # replayed under its Idempotency-Key, the batch summary, a plot. (The cells themselves
-    # assert that the JSON outputs validate and that the bad batch row failed.)
+    # What a reader sees: a chat answer in English, a stream, schema-valid JSON naming the
+    # right country, a forced tool call, a generation resource replayed under its
+    # Idempotency-Key, the batch summary, a plot. (The cells themselves assert that the JSON
+    # outputs validate and that the bad batch row failed.)
+    assert re.search(r"capital of France is Paris", joined), joined[:2000]
     assert "content deltas, first after" in joined
+    assert re.search(r"stop \{'city': 'Paris', 'country': 'France'\}", joined), joined
+    assert re.search(r"tool_calls get_weather \{'city': '[^']*Paris", joined), joined
     assert "replayed: true True" in joined
     assert re.search(r"batch: 4 rows -> .*\n  completed \d+, incomplete \d+, failed 1\n", joined)
     assert "server exit code 0" in joined
