@@ -38,7 +38,7 @@ def resolve_model(name: str) -> Model:
 
 
 def checkpoint(arch: str = "llama", preset: str = "bench", seed: int = 0) -> str:
-    from serve_app.model_factory import make_model
+    from serve_app.checkpoints.factory import make_model
 
     path = CACHE / f"{preset}-{arch}-{seed}"
     if not (path / "config.json").is_file():
@@ -109,7 +109,7 @@ def text_prompts(
     """
     from transformers import AutoTokenizer
 
-    from serve_app.model_factory import corpus_texts
+    from serve_app.checkpoints.factory import corpus_texts
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.model_max_length = 1 << 30  # the corpus is longer than a context; we cut it

@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
     from serve_app.server import start, stop
 
     path = checkpoint("llama", "tiny" if args.quick else "bench")

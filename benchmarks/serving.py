@@ -116,7 +116,7 @@ def direct_level(path: str, requests, concurrency: int, threads: int) -> float:
 
 def grammar_service_compile_times(path: str) -> dict:
     """The grammar service alone: a compile miss vs a cache hit for the same schema."""
-    from serve_app.grammar import GrammarService, GrammarSpec
+    from serve_app.grammar.service import GrammarService, GrammarSpec
 
     service = GrammarService(path)
     try:
@@ -193,7 +193,7 @@ def main() -> None:
     )
     parser.add_argument("--replica-concurrency", type=int, default=32)
     args = parser.parse_args()
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
     from serve_app.server import start, stop
 
     checkpoint = resolve_model("tiny" if args.quick else args.model)
@@ -266,7 +266,7 @@ def replicas_comparison(args: argparse.Namespace, checkpoint, counts: list[int])
     """The same load at one concurrency against 1, 2, ... engine replicas (TP=1 each), one
     server start per count. On a machine with few cores the replicas share them: the ratio
     then measures the cost of splitting the batch, not a speed-up."""
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
     from serve_app.server import start, stop
 
     c = args.replica_concurrency

@@ -11,16 +11,16 @@ from ray.serve import Application
 
 from actors.ray_executor import cluster_has_gpus, rank_bundles
 from serve_app import ray_env
-from serve_app.admin import HEAD_ONLY, AdminServer
 from serve_app.checkpoints.chat_templates import renders_tools, resolve_chat_template
-from serve_app.config import ServeConfig
-from serve_app.engine import EngineService, build_model_config
-from serve_app.grammar import GrammarService
-from serve_app.identity import artifact_identity
+from serve_app.checkpoints.identity import artifact_identity
+from serve_app.config.options import ServeConfig
+from serve_app.grammar.schema_limits import SchemaLimits
+from serve_app.grammar.service import GrammarService
 from serve_app.ingress import Ingress
 from serve_app.metrics import record_grammar_compile
-from serve_app.protocol.schema_limits import SchemaLimits
-from serve_app.tokenizer import TokenizerService
+from serve_app.ops.admin import HEAD_ONLY, AdminServer
+from serve_app.workers.engine import EngineService, build_model_config
+from serve_app.workers.tokenizer import TokenizerService
 
 APP_NAME = "serve-app"
 # Ray gives the head node this resource (1.0); asking for a sliver of it pins to the head.

@@ -8,11 +8,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from serve_app.checkpoints.presets import ARCHS, PRESETS
 from serve_app.checkpoints.trained import TRAINED_PRESETS
-from serve_app.model_presets import ARCHS, PRESETS
 
 if TYPE_CHECKING:
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
     from serve_app.ports import Listener
 
 PROG = "serve-app"
@@ -79,7 +79,7 @@ def _add_make_model(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_make_model(args: argparse.Namespace) -> int:
     # Imported here: torch and transformers take seconds to load, which `--help` need not pay.
-    from serve_app.model_factory import make_model
+    from serve_app.checkpoints.factory import make_model
 
     if args.preset in TRAINED_PRESETS:
         return _make_trained_model(args)
@@ -155,7 +155,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def serve_config_from_args(args: argparse.Namespace):
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
 
     flat = {
         "model": args.model,
@@ -248,7 +248,7 @@ def _add_hash_key(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_hash_key(args: argparse.Namespace) -> int:
-    from serve_app.auth import generate_key, hash_key
+    from serve_app.access.keys import generate_key, hash_key
 
     if args.new:
         key = generate_key()
@@ -335,7 +335,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     """0 when the job ran to its end; 130 / 143 when SIGINT / SIGTERM stopped it (the summary
     says what is left for --resume); 1 when the pipeline failed; 2 for bad input."""
     try:
-        from serve_app.batch import BatchDefaults, BatchInputError, BatchJobError, run_batch
+        from serve_app.batch.job import BatchDefaults, BatchInputError, BatchJobError, run_batch
     except KeyboardInterrupt:  # Ctrl-C while the imports ran: nothing had started
         return EXIT_SIGINT
     try:

@@ -12,17 +12,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serve_app import errors, proxy_flow, ray_env
+from serve_app import errors, ray_env
+from serve_app.access.keys import principal_of
+from serve_app.access.middleware import admission_middleware
 from serve_app.access.proxy_keys import register_keys, unregister_keys
 from serve_app.access.public_bind import proxy_host, refuse_open_public_bind
-from serve_app.auth import principal_of
-from serve_app.auth_middleware import admission_middleware
-from serve_app.config import ServeConfig
-from serve_app.generations_api import GenerationsAPI
+from serve_app.backpressure import proxy_flow
+from serve_app.config.options import ServeConfig
+from serve_app.generations.routes import GenerationsAPI
+from serve_app.grammar.schema_limits import SchemaLimits, configure_schema_limits
 from serve_app.metrics import record_outcome
-from serve_app.openai_api import OpenAIHandlers
+from serve_app.openai.routes import OpenAIHandlers
 from serve_app.openapi.public import openapi_route
-from serve_app.protocol.schema_limits import SchemaLimits, configure_schema_limits
 from serve_app.server_info import server_info
 
 logger = logging.getLogger(__name__)

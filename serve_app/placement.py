@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from actors.placement_failure import fits_some_node, placement_failure_message
-from serve_app.config import ServeConfig
+from serve_app.config.options import ServeConfig
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ import threading
 import time
 import urllib.request
 
-from serve_app import proxy_flow, ray_env
-from serve_app.config import ServeConfig
+from serve_app import ray_env
+from serve_app.backpressure import proxy_flow
+from serve_app.config.options import ServeConfig
 
 logger = logging.getLogger(__name__)
 

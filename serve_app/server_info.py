@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app import errors, proxy_flow
+from serve_app import errors
 from serve_app.access import client_json
+from serve_app.access.keys import KeyLimits
 from serve_app.access.prefix_scope import prefix_cache_info
-from serve_app.auth import KeyLimits
-from serve_app.chat_output import DEFAULT_TOOL_PARSER
+from serve_app.backpressure import proxy_flow
 from serve_app.checkpoints.prompt_encoding import TOKENIZATION_RULES
-from serve_app.config import ServeConfig
-from serve_app.generation_protocol import MAX_IDEMPOTENCY_KEY_CHARS
-from serve_app.profiles import generations_info
-from serve_app.reasoning import ThinkReasoningParser
-from serve_app.request_ids import MAX_ID_CHARS
-from serve_app.tool_parsers import parser_versions
+from serve_app.config.options import ServeConfig
+from serve_app.config.profiles import generations_info
+from serve_app.generations.protocol import MAX_IDEMPOTENCY_KEY_CHARS
+from serve_app.openai.request_ids import MAX_ID_CHARS
+from serve_app.parsers.chat_output import DEFAULT_TOOL_PARSER
+from serve_app.parsers.reasoning import ThinkReasoningParser
+from serve_app.parsers.tools import parser_versions
 
 # Fields that change nothing here: accepted and ignored (never one that changes output).
 IGNORED_FIELDS = ["user", "metadata", "store", "service_tier"]

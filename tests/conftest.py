@@ -23,7 +23,7 @@ ModelDirs = Callable[..., Path]
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> ModelDirs:
     """`model_dirs(arch, preset="tiny", seed=0)` -> a checkpoint built once per session."""
     # Imported here so collecting tests that need no model does not pay for torch.
-    from serve_app.model_factory import make_model
+    from serve_app.checkpoints.factory import make_model
 
     root = tmp_path_factory.mktemp("models")
     built: dict[tuple[str, str, int], Path] = {}
@@ -75,7 +75,7 @@ def serve_url(ray_session, model_dirs, tmp_path_factory):
     from ray import serve
 
     from serve_app.app import APP_NAME, build_app
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
     from serve_app.server import wait_healthy
 
     port = free_port()

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from serve_app.profiles import GenerationOptions, Profile
+from serve_app.config.profiles import GenerationOptions, Profile
 
 SUPPORT_DRAFT_V1 = {
     "type": "object",

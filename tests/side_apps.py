@@ -15,8 +15,8 @@ def side_config(model_dir, model_name: str, data_dir, *, engine=None, **fields):
     small KV cache (`engine` adds to or overrides it)."""
     from conftest import free_port
 
-    from serve_app.config import ServeConfig
-    from serve_app.profiles import GenerationOptions
+    from serve_app.config.options import ServeConfig
+    from serve_app.config.profiles import GenerationOptions
 
     generations = GenerationOptions(data_dir=str(data_dir), **fields.pop("generations", {}))
     fields.setdefault("admin_port", free_port())

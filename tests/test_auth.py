@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve_app import errors
-from serve_app.auth import (
+from serve_app.access.keys import (
     OPEN_PRINCIPAL,
     KeyRing,
     KeysFile,
@@ -25,7 +25,7 @@ from serve_app.auth import (
     load_keys_file,
     principal_of,
 )
-from serve_app.auth_middleware import AdmissionMiddleware
+from serve_app.access.middleware import AdmissionMiddleware
 
 
 def keys_file(**extra_keys: dict) -> KeysFile:
@@ -112,7 +112,7 @@ def test_hash_key_command_hashes_stdin_and_makes_new_keys(monkeypatch, capsys):
 def test_public_host_needs_api_keys(model_dirs, tmp_path: Path):
     from pydantic import ValidationError
 
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
 
     model = str(model_dirs("llama"))
     with pytest.raises(ValidationError, match="refusing to bind 0.0.0.0"):

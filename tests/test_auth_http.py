@@ -18,8 +18,8 @@ import yaml
 from conftest import free_port
 from postgres_fixtures import create_database, drop_database
 
-from serve_app.auth import hash_key
-from serve_app.config import ServeConfig
+from serve_app.access.keys import hash_key
+from serve_app.config.options import ServeConfig
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -71,7 +71,7 @@ def deploy(config: ServeConfig, url: str) -> None:
 def keyed(serve_url, ray_session, model_dirs, tmp_path_factory, postgres_server) -> Keyed:
     from ray import serve
 
-    from serve_app.profiles import GenerationOptions, Profile
+    from serve_app.config.profiles import GenerationOptions, Profile
 
     path: Path = tmp_path_factory.mktemp("keys") / "keys.yaml"
     entries = [{"sha256": hash_key(key), **entry} for key, entry in KEYS.items()]
@@ -262,7 +262,7 @@ def test_output_defaults_to_the_key_cap_when_max_tokens_is_not_given(keyed: Keye
 def ledger_usage(key_id: str) -> dict[str, int]:
     import ray
 
-    from serve_app.limits import LEDGER_NAMESPACE, ledger_name
+    from serve_app.access.limits import LEDGER_NAMESPACE, ledger_name
 
     ledger = ray.get_actor(ledger_name(MODEL), namespace=LEDGER_NAMESPACE)
     return ray.get(ledger.usage.remote(key_id))

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from serve_app.batch import BatchDefaults, BatchInputError, run_batch
-from serve_app.batch_io import OUTPUT_SCHEMA, OutputDir, compact, scan_results
+from serve_app.batch.job import BatchDefaults, BatchInputError, run_batch
+from serve_app.batch.parquet_io import OUTPUT_SCHEMA, OutputDir, compact, scan_results
 from serve_app.cli import main
 
 SCHEMA = {
@@ -337,7 +337,7 @@ def test_an_engine_failure_fails_its_rows_as_transient_and_the_next_batch_recove
     model, monkeypatch
 ):
     from actors.executor import ExecutorError
-    from serve_app.batch_engine import BatchEngine
+    from serve_app.batch.engine import BatchEngine
 
     engine = BatchEngine(model, defaults=BatchDefaults(max_tokens=4, temperature=0))
     batch = pa.table({"id": ["a", "b", "c"], "prompt": ["Hello", None, "The cat"]})

@@ -23,11 +23,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from serve_app.batch import BatchSummary
-from serve_app.batch_board import Counts
-from serve_app.batch_faults import KILL_AT_ENV
-from serve_app.batch_io import OUTPUT_SCHEMA, OutputDir, compact, read_results, scan_results
-from serve_app.batch_progress import ProgressView, format_duration, progress_line
+from serve_app.batch.board import Counts
+from serve_app.batch.faults import KILL_AT_ENV
+from serve_app.batch.job import BatchSummary
+from serve_app.batch.parquet_io import OUTPUT_SCHEMA, OutputDir, compact, read_results, scan_results
+from serve_app.batch.progress import ProgressView, format_duration, progress_line
 
 NUM_ROWS = 160
 LONG_ID = "row-000"  # runs far longer than a drain of 0 s: aborted by every clean stop

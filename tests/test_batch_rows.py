@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from serve_app.batch_rows import BatchDefaults, RowError, grammar_spec, sampling_params
+from serve_app.batch.rows import BatchDefaults, RowError, grammar_spec, sampling_params
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 OPENAI_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}

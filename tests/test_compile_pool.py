@@ -12,7 +12,7 @@ import time
 import pytest
 from grammar_fixtures import accepts, compile_spec
 
-from serve_app.grammar import GrammarError, GrammarService, GrammarSpec
+from serve_app.grammar.service import GrammarError, GrammarService, GrammarSpec
 
 
 @pytest.fixture

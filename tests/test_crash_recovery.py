@@ -25,7 +25,7 @@ MODEL = "crash-tiny"
 def crash_url(serve_url, ray_session, model_dirs, tmp_path_factory):
     from ray import serve
 
-    from serve_app.profiles import Profile
+    from serve_app.config.profiles import Profile
 
     profile = Profile(
         name="essay", version="1", instructions="Write at length.", max_output_tokens=900

@@ -27,7 +27,8 @@ import pytest
 import yaml
 from conftest import free_port
 
-from serve_app import proxy_flow, ray_env
+from serve_app import ray_env
+from serve_app.backpressure import proxy_flow
 
 pytestmark = pytest.mark.serve
 

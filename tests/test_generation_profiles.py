@@ -10,9 +10,9 @@ import pytest
 from grammar_fixtures import accepts, compile_spec
 from pydantic import ValidationError
 
-from serve_app.config import ServeConfig
-from serve_app.generation_protocol import GenerationCreate
-from serve_app.profiles import GenerationOptions, Profile, constrained_schema
+from serve_app.config.options import ServeConfig
+from serve_app.config.profiles import GenerationOptions, Profile, constrained_schema
+from serve_app.generations.protocol import GenerationCreate
 
 DRAFT = {
     "type": "object",

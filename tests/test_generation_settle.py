@@ -3,7 +3,7 @@ produce but a `json_object` format admits (no Ray)."""
 
 from __future__ import annotations
 
-from serve_app.generation_resource import settle_structured
+from serve_app.resources.resource import settle_structured
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

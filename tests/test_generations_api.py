@@ -13,8 +13,8 @@ import pytest
 from admin_client import engine_timeline
 from generation_fixtures import ORPHAN_AFTER_S, QUICK_DEADLINE_S, SESSION, SUPPORT_DRAFT_V1, poll
 
-from serve_app.store import GenerationRecord
-from serve_app.store_sqlite import SQLiteStore
+from serve_app.store.base import GenerationRecord
+from serve_app.store.sqlite import SQLiteStore
 
 pytestmark = pytest.mark.serve
 

@@ -14,19 +14,19 @@ import pytest
 from actors.outputs import CompletionDelta, RequestOutput
 from actors.request import FinishReason
 from actors.sampling_params import SamplingParams
-from serve_app.generation_live import Subscriber
-from serve_app.generation_resource import resource_json, usage
-from serve_app.generation_runner import GenerationRunner, Plan
-from serve_app.profiles import GenerationOptions
+from serve_app.config.profiles import GenerationOptions
 from serve_app.protocol.params import GrammarSpec
-from serve_app.store import (
+from serve_app.resources.live import Subscriber
+from serve_app.resources.resource import resource_json, usage
+from serve_app.resources.runner import GenerationRunner, Plan
+from serve_app.store.base import (
     ConversationRecord,
     ConversationTurn,
     GenerationRecord,
     IdempotencyKey,
     InsertOutcome,
 )
-from serve_app.store_sqlite import SQLiteStore
+from serve_app.store.sqlite import SQLiteStore
 
 SCHEMA = {
     "type": "object",

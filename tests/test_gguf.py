@@ -38,7 +38,7 @@ def _write_gguf(path: Path, arch: str, raw_dtype=None) -> Path:
 
 def test_an_unsupported_architecture_fails_at_start_naming_it(tmp_path, monkeypatch):
     from actors import LLM
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
 
     monkeypatch.setenv("SERVE_APP_GGUF_CACHE", str(tmp_path / "cache"))
     path = _write_gguf(tmp_path / "phi.gguf", "phi3")

@@ -17,7 +17,7 @@ import xgrammar as xgr
 from grammar_fixtures import accepts, compile_spec
 
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
-from serve_app.grammar import (
+from serve_app.grammar.service import (
     SUPPORTED_JSON_SCHEMA,
     CompiledGrammarPayload,
     GrammarError,

@@ -13,13 +13,13 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from serve_app import cli
-from serve_app.model_factory import (
+from serve_app.checkpoints.factory import (
     CHECKPOINT_FILES,
     MARKUP_TOKENS,
     SPECIAL_TOKENS,
     make_model,
 )
-from serve_app.model_presets import ARCHS, PRESET_SPECS, PRESETS
+from serve_app.checkpoints.presets import ARCHS, PRESET_SPECS, PRESETS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [

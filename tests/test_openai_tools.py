@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from serve_app.tool_grammar import arguments_schema
+from serve_app.grammar.tools import arguments_schema
 
 pytestmark = pytest.mark.serve
 

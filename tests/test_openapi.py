@@ -45,8 +45,8 @@ def _served(app: Any) -> set[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
-    from serve_app.config import ServeConfig
-    from serve_app.profiles import GenerationOptions, Profile
+    from serve_app.config.options import ServeConfig
+    from serve_app.config.profiles import GenerationOptions, Profile
 
     model = tmp_path_factory.mktemp("model")
     (model / "config.json").write_text("{}")
@@ -59,7 +59,7 @@ def config(tmp_path_factory):
 
 def _public_app(config) -> Any:
     """The ingress' Starlette app, its handlers stubbed (routes and middleware are real)."""
-    from serve_app.generations_api import GenerationsAPI
+    from serve_app.generations.routes import GenerationsAPI
     from serve_app.ingress import Ingress
 
     def handler(request):  # never called: only the route table is read
@@ -98,7 +98,7 @@ def test_public_document_covers_every_route_the_ingress_serves(config):
 
 
 def test_admin_document_covers_every_admin_route():
-    from serve_app.admin import build_admin_app
+    from serve_app.ops.admin import build_admin_app
 
     app = build_admin_app(registry=None, api_key=None)
     assert _documented(admin_document(keyed=False)) == _served(app)
@@ -173,14 +173,14 @@ class _Registry:
         return draining
 
     async def call(self, method):
-        # As serve_app.admin.LiveRegistry: the routes name the method, the registry calls it.
+        # As serve_app.ops.admin.LiveRegistry: the routes name the method, the registry calls it.
         return await method(self)
 
 
 def test_admin_openapi_needs_the_admin_key_and_drain_parses_with_its_model():
     from starlette.testclient import TestClient
 
-    from serve_app.admin import build_admin_app
+    from serve_app.ops.admin import build_admin_app
 
     registry = _Registry()
     client = TestClient(build_admin_app(registry, api_key="sekrit"))
@@ -257,7 +257,7 @@ def test_stream_schema_takes_the_servers_chunks_and_refuses_a_malformed_one():
 def test_a_keyed_server_serves_its_document_to_key_holders_only(config):
     from starlette.testclient import TestClient
 
-    from serve_app.auth import KeysFile, hash_key
+    from serve_app.access.keys import KeysFile, hash_key
 
     keys = KeysFile.model_validate(
         {"keys": [{"id": "k", "sha256": hash_key("key-a"), "tenant": "a"}]}

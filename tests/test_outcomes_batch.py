@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from serve_app.batch import BatchDefaults, run_batch
-from serve_app.batch_io import is_transient
+from serve_app.batch.job import BatchDefaults, run_batch
+from serve_app.batch.parquet_io import is_transient
 from serve_app.server_info import OUTCOMES
 
 Check = Callable[[dict[str, Any]], None]
@@ -119,7 +119,7 @@ def model(model_dirs) -> str:
 def outputs(ray_session, model, tmp_path_factory) -> dict[str, dict[str, Any]]:
     """Output rows by cause: one greedy pipeline run, then the in-process engine-lost run."""
     from actors.executor import ExecutorError
-    from serve_app.batch_engine import BatchEngine
+    from serve_app.batch.engine import BatchEngine
 
     root = tmp_path_factory.mktemp("batch-outcomes")
     source = write(root / "in.parquet", [{"id": c, **row} for c, (row, _) in CASES.items()])

@@ -28,8 +28,8 @@ from generation_fixtures import (
     poll,
 )
 
-from serve_app.store import GenerationRecord
-from serve_app.store_sqlite import SQLiteStore
+from serve_app.store.base import GenerationRecord
+from serve_app.store.sqlite import SQLiteStore
 
 pytestmark = pytest.mark.serve
 

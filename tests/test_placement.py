@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.app import cpu_actor_options, engine_placement
-from serve_app.config import ServeConfig
+from serve_app.config.options import ServeConfig
 from serve_app.placement import requested_bundles
 
 

@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from serve_app import errors
+from serve_app.access.keys import hash_key
 from serve_app.access.prefix_scope import SHARED_NAMESPACE, prefix_namespace
-from serve_app.auth import hash_key
-from serve_app.config import ServeConfig
-from serve_app.generation_protocol import GenerationCreate, parse_body
+from serve_app.config.options import ServeConfig
+from serve_app.generations.protocol import GenerationCreate, parse_body
 from serve_app.protocol import parse_request
 
 

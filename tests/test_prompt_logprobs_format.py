@@ -4,7 +4,7 @@ completions `logprobs` object (no server: the formatter alone)."""
 from __future__ import annotations
 
 from actors.messages import TokenLogprobs
-from serve_app.openai_format import echoed_logprobs, prompt_logprobs_field
+from serve_app.openai.format import echoed_logprobs, prompt_logprobs_field
 
 PIECES = {1: "<s>", 10: "The", 11: " sky", 12: " is", 13: " sea"}
 

@@ -7,9 +7,10 @@ import asyncio
 
 import pytest
 
-from serve_app import flow_board, proxy_flow, ray_env
-from serve_app.flow_board import FlowBoard, FlowGate
-from serve_app.proxy_flow import FLOW_HEADER, ProxyFlowMiddleware, flow_header
+from serve_app import ray_env
+from serve_app.backpressure import flow_board, proxy_flow
+from serve_app.backpressure.flow_board import FlowBoard, FlowGate
+from serve_app.backpressure.proxy_flow import FLOW_HEADER, ProxyFlowMiddleware, flow_header
 
 
 class FakeBoard:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from serve_app.access.keys import KeysFile
 from serve_app.access.public_bind import proxy_host, refuse_open_public_bind
-from serve_app.auth import KeysFile
-from serve_app.config import ServeConfig
+from serve_app.config.options import ServeConfig
 
 
 def config(tmp_path, **fields) -> ServeConfig:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app import proxy_flow, ray_env
+from serve_app import ray_env
+from serve_app.backpressure import proxy_flow
 
 
 def test_prepare_sets_what_is_missing_and_keeps_an_operators_choice(monkeypatch):
@@ -36,9 +37,9 @@ def test_the_ingress_streams_on_its_own_nodes_data_plane(grpc, monkeypatch, mode
     its own environment. Grammar compiles stay by reference whatever it is: the engine
     awaits their object refs while it prefills."""
     from serve_app.app import served_identity
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
+    from serve_app.config.profiles import GenerationOptions
     from serve_app.ingress import Ingress
-    from serve_app.profiles import GenerationOptions
 
     monkeypatch.setenv(ray_env.GRPC_ENV, grpc)
     options = GenerationOptions(data_dir=str(tmp_path))

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from serve_app.reasoning import ReasoningChunk, ThinkReasoningParser, prompt_opens_reasoning
-from serve_app.tool_parsers import HermesToolParser, ToolCallArgsDelta, collect
+from serve_app.parsers.reasoning import ReasoningChunk, ThinkReasoningParser, prompt_opens_reasoning
+from serve_app.parsers.tools import HermesToolParser, ToolCallArgsDelta, collect
 
 THOUGHT = "Let me see: 1 < 2 </thinking>."
 UTF8 = "naïve — 日本"

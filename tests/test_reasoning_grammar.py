@@ -10,9 +10,9 @@ import pytest
 import xgrammar as xgr
 from grammar_fixtures import accepts, compile_spec
 
-from serve_app.grammar import GrammarError, GrammarSpec
-from serve_app.reasoning_grammar import after_reasoning, constraint_ebnf
-from serve_app.tool_grammar import CALL_PREFIX, tool_call_grammar
+from serve_app.grammar.reasoning import after_reasoning, constraint_ebnf
+from serve_app.grammar.service import GrammarError, GrammarSpec
+from serve_app.grammar.tools import CALL_PREFIX, tool_call_grammar
 
 SCHEMA = json.dumps({"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}})
 THINK = "<think>\nweigh it: {not json} ✓\n</think>\n\n"
@@ -116,8 +116,8 @@ STRICT_BODY = {
 
 
 def admission_for(model_path: str, **grammar_options):
-    from serve_app.config import ServeConfig
-    from serve_app.openai_admission import Admission
+    from serve_app.config.options import ServeConfig
+    from serve_app.openai.admission import Admission
 
     config = ServeConfig(model=model_path, grammar=grammar_options)
     identity = {"max_model_len": 256, "grammar": {"available": True}}
@@ -127,7 +127,7 @@ def admission_for(model_path: str, **grammar_options):
 def test_strict_thinking_requires_the_block_where_the_server_offers_it(
     service, engine_cache, model_path
 ):
-    from serve_app.chat_output import chat_parse_options
+    from serve_app.parsers.chat_output import chat_parse_options
     from serve_app.protocol import parse_request
 
     req = parse_request("chat", STRICT_BODY)
@@ -153,7 +153,7 @@ def test_a_server_offering_strict_thinking_refuses_to_start_without_token_filter
     model_path, monkeypatch
 ):
     from serve_app import app
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
 
     class NoBackend:
         def __init__(self, *args: object, **kwargs: object) -> None:

@@ -8,13 +8,13 @@ import json
 import pytest
 
 from serve_app import errors
-from serve_app.protocol import parse_request
-from serve_app.protocol.schema_limits import (
+from serve_app.grammar.schema_limits import (
     SchemaLimitExceeded,
     SchemaLimits,
     check_choice_limits,
     measure_schema,
 )
+from serve_app.protocol import parse_request
 
 
 def nested_objects(levels: int) -> dict:
@@ -103,7 +103,7 @@ def test_too_many_choices_name_the_node_limit():
 def test_output_formats_past_the_limits_or_the_subset_fail_at_startup(model_dirs):
     from pydantic import ValidationError
 
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
 
     model = str(model_dirs("llama"))
     deep = {"type": "object", "properties": {"a": nested_objects(40)}}

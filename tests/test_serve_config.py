@@ -40,7 +40,7 @@ def test_strict_structured_output_refuses_to_start_when_xgrammar_cannot(model_di
     import xgrammar as xgr
 
     from serve_app.app import probe_grammar_backend
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
 
     def refuse(*args, **kwargs):
         raise RuntimeError("unsupported tokenizer")
@@ -59,7 +59,7 @@ def test_strict_structured_output_refuses_to_start_when_xgrammar_cannot(model_di
 def test_store_urls_other_than_sqlite_and_postgresql_are_refused(model_dirs):
     from pydantic import ValidationError
 
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
 
     model = str(model_dirs("llama"))
     with pytest.raises(ValidationError, match="store: 'mysql://db/x'"):
@@ -98,9 +98,9 @@ def test_the_builder_sets_the_proxy_hook_only_for_a_ray_it_is_about_to_start(
 def test_the_ingress_warns_once_where_the_proxy_runs_without_the_hook(
     model_dirs, monkeypatch, caplog, tmp_path, hooked
 ):
-    from serve_app import proxy_flow
     from serve_app.app import served_identity
-    from serve_app.config import ServeConfig
+    from serve_app.backpressure import proxy_flow
+    from serve_app.config.options import ServeConfig
     from serve_app.ingress import Ingress
     from serve_app.server_info import server_info
 
@@ -128,7 +128,7 @@ def test_the_admin_port_is_waited_for_while_a_predecessor_holds_it_then_named():
     stays taken fails the replica with a message naming it."""
     from conftest import free_port
 
-    from serve_app.admin import bind_listening
+    from serve_app.ops.admin import bind_listening
 
     port = free_port()
     holder = socket.create_server(("127.0.0.1", port))

@@ -16,7 +16,7 @@ def tp2_url(serve_url, model_dirs):
     from ray import serve
 
     from serve_app.app import build_app
-    from serve_app.config import ServeConfig
+    from serve_app.config.options import ServeConfig
 
     config = ServeConfig(
         model=str(model_dirs("llama")),

@@ -267,7 +267,7 @@ def test_generation_input_cannot_open_a_system_turn(serve_url, tokenizer, encode
 
 
 def test_batch_rows_keep_control_text_as_text(tokenizer, encoder):
-    from serve_app.batch_rows import prompt_token_ids
+    from serve_app.batch.rows import prompt_token_ids
 
     im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     chat_row = {"id": "r1", "messages": [{"role": "user", "content": INJECTION}]}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.store import (
+from serve_app.store.base import (
     ConversationRecord,
     ConversationTurn,
     GenerationRecord,
@@ -23,7 +23,7 @@ from serve_app.store import (
     Store,
     TurnAppend,
 )
-from serve_app.store_sqlite import SQLiteStore
+from serve_app.store.sqlite import SQLiteStore
 
 BACKENDS = ["sqlite", "postgresql"]
 
@@ -57,7 +57,7 @@ def open_backend(
         if request.param == "sqlite":
             store: Store = SQLiteStore(tmp_path / "store.sqlite3", clock)
         elif request.param == "postgresql":
-            from serve_app.store_postgres import PostgresStore
+            from serve_app.store.postgres import PostgresStore
 
             store = PostgresStore(pg_url, clock)
         else:  # pragma: no cover - each backend adds its branch

@@ -11,6 +11,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChunk
 
 from serve_app import errors
+from serve_app.openai.streaming import DONE, StreamOrderError, StreamState, sse
 from serve_app.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -27,7 +28,6 @@ from serve_app.protocol import (
     Usage,
     openai_finish_reason,
 )
-from serve_app.streaming import DONE, StreamOrderError, StreamState, sse
 
 # --------------------------------------------------------------------- chunks
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from serve_app import errors
-from serve_app.tokenizer import TokenizerService
+from serve_app.workers.tokenizer import TokenizerService
 
 # Raises on a kwarg (strict_roles) or on a message (a tool turn); renders otherwise.
 STRICT_TEMPLATE = (

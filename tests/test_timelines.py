@@ -10,7 +10,7 @@ from actors.messages import EngineRequest
 from actors.outputs import CompletionDelta, RequestOutput
 from actors.request import FinishReason
 from actors.sampling_params import SamplingParams
-from serve_app.timelines import TimelineIndex, TimelineRing
+from serve_app.ops.timelines import TimelineIndex, TimelineRing
 
 
 def engine_request(request_id: str, grammar: bool = False) -> EngineRequest:

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 from grammar_fixtures import accepts, compile_spec
 
-from serve_app.tool_grammar import (
+from serve_app.grammar.tools import (
     ARGUMENTS_PREFIX,
     CALL_PREFIX,
     CALL_SUFFIX,
@@ -19,7 +19,7 @@ from serve_app.tool_grammar import (
     tool_names,
     validate_tools,
 )
-from serve_app.tool_parsers import HermesToolParser, collect
+from serve_app.parsers.tools import HermesToolParser, collect
 
 
 def tool(name: str, parameters: dict | None = None) -> dict:

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from serve_app.chat_output import ChoiceMessage, ChoiceParser, ParseOptions, ReasoningDelta
-from serve_app.tool_parsers import ContentDelta, ToolCallArgsDelta, ToolCallStart
+from serve_app.parsers.chat_output import ChoiceMessage, ChoiceParser, ParseOptions, ReasoningDelta
+from serve_app.parsers.tools import ContentDelta, ToolCallArgsDelta, ToolCallStart
 
 NAMES = ("get_weather", "ping")
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 日本 ✓"}}\n</tool_call>'

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from serve_app.tool_parsers import (
+from serve_app.parsers.tools import (
     ContentDelta,
     Event,
     HermesToolParser,

@@ -16,7 +16,7 @@ import pytest
 from side_apps import side_app, side_config
 
 from serve_app.checkpoints.chat_templates import shipped_template_path
-from serve_app.identity import weights_hash
+from serve_app.checkpoints.identity import weights_hash
 
 pytestmark = [pytest.mark.trained, pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
 

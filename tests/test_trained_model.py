@@ -187,7 +187,7 @@ def test_tp3_equals_tp1_and_tp2_names_the_heads(ray_session, trained_dir, prompt
 
 def test_chat_rendering_equals_transformers(trained_dir, tokenizer):
     """Our tokenizer service's render path gives transformers' ids for the model's template."""
-    from serve_app.tokenizer import TokenizerService
+    from serve_app.workers.tokenizer import TokenizerService
 
     service = TokenizerService(str(trained_dir), vocab_size=49152)
     for chat in CHATS:
@@ -199,7 +199,7 @@ def test_chat_rendering_equals_transformers(trained_dir, tokenizer):
 
 def test_shipped_tools_template_renders_the_models_own_chats_and_tools(trained_dir, tokenizer):
     from serve_app.checkpoints.chat_templates import resolve_chat_template, shipped_template_path
-    from serve_app.tokenizer import TokenizerService
+    from serve_app.workers.tokenizer import TokenizerService
 
     template = resolve_chat_template(shipped_template_path("smollm2_tools.jinja"), None)
     service = TokenizerService(str(trained_dir), vocab_size=49152, template=template)

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from serve_app import errors
-from serve_app.auth import KeysFile, bearer_token, hash_key
+from serve_app.access.keys import KeysFile, bearer_token, hash_key
 from serve_app.named_actors import get_or_create
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from serve_app.config import ServeConfig, is_loopback
+from serve_app.config.options import ServeConfig, is_loopback
 
 logger = logging.getLogger(__name__)
 

@@ -86,7 +86,7 @@ def make_trained_model(out_dir: str | os.PathLike[str], name: str, *, force: boo
     """Write the preset's Hugging Face folder to `out_dir` (fetching and converting its GGUF on
     first use) and return its path. Replaces `out_dir` on the rules `make_model` follows."""
     from actors.models.gguf import SOURCE_FILE, gguf_checkpoint
-    from serve_app.model_factory import CHECKPOINT_FILES, swap_in_folder
+    from serve_app.checkpoints.factory import CHECKPOINT_FILES, swap_in_folder
 
     if name not in TRAINED_PRESETS:
         raise ValueError(

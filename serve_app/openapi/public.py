@@ -15,11 +15,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from serve_app.generation_protocol import (
+from serve_app.generations.protocol import (
     MAX_IDEMPOTENCY_KEY_CHARS,
     ConversationCreate,
     GenerationCreate,
 )
+from serve_app.openai.request_ids import MAX_ID_CHARS
 from serve_app.openapi.document import (
     ErrorResponse,
     Operation,
@@ -48,7 +49,6 @@ from serve_app.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from serve_app.request_ids import MAX_ID_CHARS
 
 PATH = "/openapi.json"
 TITLE = "serve-app"

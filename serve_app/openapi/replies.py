@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from serve_app.store import TERMINAL_STATUSES, UNFINISHED_STATUSES
+from serve_app.store.base import TERMINAL_STATUSES, UNFINISHED_STATUSES
 
 GenerationStatus = Literal[tuple(sorted({*UNFINISHED_STATUSES, *TERMINAL_STATUSES}))]  # type: ignore[valid-type]
 

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from serve_app import errors
 from serve_app.access import client_json
+from serve_app.grammar.schema_admission import admit_choices, admit_schema
 from serve_app.protocol.json_schema import schema_json
-from serve_app.protocol.schema_admission import admit_choices, admit_schema
 
 if TYPE_CHECKING:
     from actors.sampling_params import SamplingParams

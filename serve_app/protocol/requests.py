@@ -129,7 +129,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
-    # Checked by serve_app.tool_grammar (shapes, names, schemas that compile).
+    # Checked by serve_app.grammar.tools (shapes, names, schemas that compile).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -187,7 +187,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
     def _check_tools(self) -> None:
-        from serve_app.tool_grammar import ToolSpecError, validate_tools
+        from serve_app.grammar.tools import ToolSpecError, validate_tools
 
         try:
             validate_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -240,7 +240,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def grammar_spec(self) -> GrammarSpec | None:
         if self.tool_choice_mode in ("required", "named"):
-            from serve_app.tool_grammar import tool_call_grammar
+            from serve_app.grammar.tools import tool_call_grammar
 
             spec = tool_call_grammar(self.tools, self.tool_choice, self.parallel_tool_calls)
             return GrammarSpec("ebnf", spec.spec) if spec is not None else None

@@ -1,2 +1,2 @@
-"""The deployments app.py deploys and the processes they own: tokenizer, grammar compiler,
-engine (a later issue moves the flat modules here)."""
+"""The deployments app.py deploys: the tokenizer and the engine (the grammar deployment
+is `serve_app.grammar.service.GrammarService`)."""

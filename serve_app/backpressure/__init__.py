@@ -1,0 +1,1 @@
+"""The stalled-client hold across Serve's proxy."""

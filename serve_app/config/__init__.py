@@ -1,0 +1,1 @@
+"""ServeConfig and its options; generation profiles."""

@@ -1,0 +1,1 @@
+"""The task API family: /v1/generations routes, admission, conversations."""

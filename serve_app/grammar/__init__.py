@@ -1,0 +1,1 @@
+"""Structured output: grammar spec and service, schema limits, tool grammars, compile pool."""

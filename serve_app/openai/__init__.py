@@ -1,0 +1,1 @@
+"""The OpenAI API family: routes, admission, formatting, the SSE stream, request ids."""

@@ -1,0 +1,209 @@
+"""Admission for the OpenAI endpoints: context and max_tokens limits, sampling parameters, the
+client deadline and the grammar future, all decided before any header is sent. The result is a
+`Job`: one validated engine request per prompt."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from actors.messages import EngineRequest
+from serve_app import errors
+from serve_app.access.keys import principal_of
+from serve_app.access.limits import reserve_budget
+from serve_app.access.prefix_scope import prefix_namespace
+from serve_app.config.options import ServeConfig
+from serve_app.grammar.reasoning import after_reasoning
+from serve_app.grammar.service import GrammarError
+from serve_app.openai.format import ChoiceState, Formatter
+from serve_app.openai.token_text import TokenTexts
+from serve_app.parsers.chat_output import ChoiceParser, ParseOptions
+from serve_app.protocol import Usage, new_id
+
+TIMEOUT_HEADER = "x-request-timeout-ms"
+
+
+def client_timeout_s(request: Request, req: Any) -> float | None:
+    """The client's deadline: the `X-Request-Timeout-Ms` header or the `timeout` field
+    (seconds); the stricter one wins when both are given."""
+    candidates = [req.timeout] if req.timeout else []
+    header = request.headers.get(TIMEOUT_HEADER)
+    if header is not None:
+        try:
+            ms = float(header)
+        except ValueError:
+            raise errors.invalid_request(f"{TIMEOUT_HEADER} must be a number", "timeout") from None
+        if not ms > 0:
+            raise errors.invalid_request(f"{TIMEOUT_HEADER} must be > 0", "timeout")
+        candidates.append(ms / 1000.0)
+    return min(candidates) if candidates else None
+
+
+@dataclass
+class Job:
+    """An admitted request: one engine request per prompt, all validated."""
+
+    req: Any
+    formatter: Formatter
+    engine_requests: list[EngineRequest]
+    echo: list[str]
+    n: int
+    deadline: float | None
+    # Records the terminal (non-streamed) body before the terminal event is sent.
+    on_complete: Callable[[dict], None] | None = None
+    started: float = 0.0
+    # Chat: how each choice's text is read (reasoning, tool calls); None: verbatim content.
+    parse: ParseOptions | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.engine_requests) * self.n
+
+    @property
+    def endpoint(self) -> str:
+        return "chat" if self.formatter.chat else "completions"
+
+    def new_choices(self) -> list[ChoiceState]:
+        """Fresh per-choice state: parser state belongs to one choice of one request."""
+        if self.parse is None or self.parse.is_plain:
+            return [ChoiceState(i) for i in range(self.num_choices)]
+        return [ChoiceState(i, parser=ChoiceParser(self.parse)) for i in range(self.num_choices)]
+
+    def choice_echo(self) -> list[str]:
+        """The echoed prompt of each choice ("" unless the completions request asked)."""
+        return [self.echo[c // self.n] for c in range(self.num_choices)]
+
+    def usage(self, choices: list[ChoiceState], cached: list[int]) -> Usage:
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in self.engine_requests)
+        return Usage.of(prompt_tokens, sum(c.num_tokens for c in choices), sum(cached))
+
+
+class Admission:
+    def __init__(
+        self, config: ServeConfig, identity: dict[str, Any], texts: TokenTexts, grammar: Any
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.max_model_len: int = identity["max_model_len"]
+        self.texts = texts
+        self.grammar = grammar
+
+    async def job(
+        self,
+        req: Any,
+        prompts: list[list[int]],
+        prompt_param: str,
+        *,
+        chat: bool,
+        echo: list[str],
+        request: Request,
+        parse: ParseOptions | None = None,
+    ) -> Job:
+        default_max = self.check_lengths(req, prompts, prompt_param)
+        default_max = await reserve_budget(request, req, prompts, default_max, prompt_param)
+        req.check_common(req.requested_max_tokens() or default_max)
+        params = req.to_sampling_params(default_max)
+        grammar = await self.start_grammar(req, parse)
+        formatter = Formatter(
+            chat=chat,
+            response_id=new_id("chatcmpl" if chat else "cmpl"),
+            model=self.config.model_id,
+            fingerprint=self.identity["fingerprint"],
+            texts=self.texts,
+            want_logprobs=params.logprobs is not None,
+            want_token_ids=bool(req.return_token_ids),
+            prompt_ids=prompts,
+            n=params.n,
+            prompt_top=req.prompt_logprobs,
+            echo_top=req.logprobs if getattr(req, "echoes_logprobs", False) else None,
+        )
+        timeout_s = client_timeout_s(request, req)
+        # The caller's tenant, as authenticated: never a field of the body.
+        namespace = prefix_namespace(
+            principal_of(request).tenant, self.config.engine.shared_prefix_tenants
+        )
+        engine_requests = [
+            EngineRequest(
+                uuid.uuid4().hex,
+                ids,
+                params,
+                grammar=grammar,
+                timeout_s=timeout_s,
+                cache_namespace=namespace,
+            )
+            for ids in prompts
+        ]
+        # The engine enforces the deadline; this one only guards against a lost engine.
+        deadline = time.monotonic() + timeout_s + 5.0 if timeout_s else None
+        job = Job(req, formatter, engine_requests, echo, params.n, deadline, parse=parse)
+        job.started = time.monotonic()
+        return job
+
+    def check_lengths(self, req: Any, prompts: list[list[int]], prompt_param: str) -> int:
+        """Refuse prompts and max_tokens the context cannot hold; return the default
+        max_tokens (the room the shortest prompt leaves, capped by the server's limit)."""
+        limit = self.max_model_len
+        requested = req.requested_max_tokens()
+        cap = self.config.limits.max_output_tokens
+        if requested is not None and cap is not None and requested > cap:
+            raise errors.max_tokens_exceeded(
+                f"max_tokens is {requested}; this server allows at most {cap}."
+            )
+        shortest_room = limit
+        for ids in prompts:
+            if len(ids) >= limit:
+                raise errors.context_length_exceeded(
+                    f"This model's maximum context length is {limit} tokens; the prompt has "
+                    f"{len(ids)} tokens, leaving no room for output.",
+                    param=prompt_param,
+                )
+            if requested is not None and len(ids) + requested > limit:
+                raise errors.max_tokens_exceeded(
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {len(ids) + requested} tokens ({len(ids)} in the "
+                    f"{prompt_param}, {requested} in the completion)."
+                )
+            shortest_room = min(shortest_room, limit - len(ids))
+        return shortest_room if cap is None else min(shortest_room, cap)
+
+    async def start_grammar(self, req: Any, parse: ParseOptions | None) -> list[object] | None:
+        spec = req.grammar_spec()
+        if spec is None:
+            return None
+        param = req.grammar_param()
+        if not self.identity.get("grammar", {}).get("available"):
+            raise errors.unsupported_parameter(
+                param or "response_format", "structured output is unavailable on this server"
+            )
+        # Tool grammars are generated from `tools`, which the body limit already bounds.
+        if param != "tool_choice" and len(spec.spec.encode()) > self.config.grammar.max_spec_bytes:
+            raise errors.invalid_request(
+                f"grammar spec is larger than {self.config.grammar.max_spec_bytes} bytes", param
+            )
+        spec = self.after_reasoning(req, spec, param, parse)
+        # Boxed so the engine call does not wait for it: prefill overlaps compilation.
+        ref = await self.grammar.compile.remote(spec)._to_object_ref()
+        return [ref]
+
+    def after_reasoning(
+        self, req: Any, spec: Any, param: str | None, parse: ParseOptions | None
+    ) -> Any:
+        """The constraint, moved after the reasoning span when the request lets the model
+        think first (or the prompt already opened the span); strict: the span is required."""
+        strict = bool(getattr(req, "strict_thinking", False))
+        if strict and not getattr(self.config.grammar, "strict_thinking", False):
+            raise errors.unsupported_parameter(
+                "strict_thinking", "this server was not started with grammar.strict_thinking"
+            )
+        opens = parse is not None and parse.starts_in_reasoning
+        if not (strict or opens or (parse is not None and parse.reasoning and req.thinking)):
+            return spec
+        try:
+            return after_reasoning(spec, strict=strict, starts_in_reasoning=opens)
+        except GrammarError as exc:
+            raise errors.invalid_grammar(exc.reason, param) from None

@@ -1,0 +1,188 @@
+"""Request identity (`X-Request-Id`): one live attempt per id, and replay of a completed one.
+
+A second live request with the same id (same tenant) is a 409. After completion the same
+id with the same body returns the recorded result within the retention window (as SSE
+ending in [DONE] when the replay asks to stream) instead of generating again; a different
+body is a 409. After a cancelled or failed attempt the id is free for a new attempt. The
+record is made before the terminal event is sent, so a retry right after [DONE] replays.
+
+NOTE: the table lives in the ingress replica's memory; with several ingress replicas the
+durable store has to hold it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from serve_app import errors
+from serve_app.access import client_json
+from serve_app.openai.streaming import DONE, sse
+
+HEADER = "x-request-id"
+MAX_ID_CHARS = 256
+
+
+@dataclass
+class _Record:
+    body_hash: str
+    live: bool
+    result: dict | None = None
+    expires_at: float = 0.0
+
+
+def serve_request_id() -> str:
+    """The id Serve's proxy gave this request (the client's X-Request-Id when it sent one),
+    which the proxy also returns in the response's X-Request-Id header."""
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        return _get_serve_request_context().request_id
+    except Exception:  # noqa: BLE001 (outside a Serve replica)
+        return ""
+
+
+def body_hash(body: bytes) -> str:
+    try:
+        canonical = json.dumps(client_json.loads(body), sort_keys=True, separators=(",", ":"))
+    except errors.APIError:  # not JSON: the bytes themselves identify it
+        canonical = body.decode("utf-8", "replace")
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class RequestIds:
+    def __init__(self, retention_s: float):
+        self.retention_s = retention_s
+        self.records: dict[tuple[str, str], _Record] = {}
+
+    def _purge(self) -> None:
+        now = time.monotonic()
+        for key, rec in list(self.records.items()):
+            if not rec.live and rec.expires_at <= now:
+                del self.records[key]
+
+    async def guard(
+        self,
+        request_id: str | None,
+        tenant: str,
+        body: bytes,
+        stream: bool,
+        include_usage: bool,
+        handler: Callable[[Callable[[dict], None]], Awaitable[Response]],
+    ) -> Response:
+        """Run `handler(record)` as the one live attempt of this id; `record(result)` must be
+        called with the terminal non-streamed body before the terminal event goes out."""
+        self._purge()
+        rid = request_id or serve_request_id() or uuid.uuid4().hex
+        if len(rid) > MAX_ID_CHARS or not rid.isprintable():
+            raise errors.invalid_request(
+                f"X-Request-Id must be 1 to {MAX_ID_CHARS} printable characters.", "X-Request-Id"
+            )
+        key, digest = (tenant, rid), body_hash(body)
+        rec = self.records.get(key)
+        if rec is not None:
+            if rec.live:
+                raise errors.conflict(
+                    "request_id_in_use", f"A request with id {rid!r} is still running."
+                )
+            if rec.body_hash != digest:
+                raise errors.conflict(
+                    "request_id_in_use",
+                    f"Request id {rid!r} was used with a different body; use a new id.",
+                )
+            return self._replay(rid, rec.result or {}, stream, include_usage)
+        self.records[key] = _Record(digest, live=True)
+
+        def record(result: dict) -> None:
+            self.records[key] = _Record(digest, False, result, time.monotonic() + self.retention_s)
+
+        try:
+            response = await handler(record)
+        except BaseException:
+            self._release(key)
+            raise
+        if HEADER not in response.headers and not serve_request_id():
+            # Serve's proxy echoes the id itself (it adopts the client's X-Request-Id).
+            response.headers[HEADER] = rid
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = self._release_unless_recorded(key, response.body_iterator)
+        elif self.records.get(key, _Record("", True)).live:
+            self._release(key)
+        return response
+
+    def _release(self, key: tuple[str, str]) -> None:
+        rec = self.records.get(key)
+        if rec is not None and rec.live:
+            del self.records[key]
+
+    async def _release_unless_recorded(self, key, body: AsyncIterator[bytes]):
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            # A stream that ended without its terminal record (cancelled, failed) frees the
+            # id for a new, fenced attempt.
+            self._release(key)
+
+    def _replay(self, rid: str, result: dict, stream: bool, include_usage: bool) -> Response:
+        headers = {"x-replayed": "true"} if serve_request_id() else {HEADER: rid}
+        headers["x-replayed"] = "true"
+        if not stream:
+            return JSONResponse(result, headers=headers)
+        return StreamingResponse(
+            _replay_chunks(result, include_usage), media_type="text/event-stream", headers=headers
+        )
+
+
+async def _replay_chunks(result: dict, include_usage: bool) -> AsyncIterator[bytes]:
+    """A recorded body as a stream in the contract's order, ending in [DONE]."""
+    chat = result.get("object") == "chat.completion"
+    base = {k: result[k] for k in ("id", "created", "model", "system_fingerprint") if k in result}
+    base["object"] = "chat.completion.chunk" if chat else "text_completion"
+    for choice in result.get("choices", []):
+        i = choice["index"]
+        # `return_token_ids`: the ids ride on the choice's first content chunk, as live.
+        ids = {k: choice[k] for k in ("token_ids", "prompt_token_ids") if k in choice}
+        if chat:
+            message = choice.get("message") or {}
+            prompt = {k: result[k] for k in ("prompt_token_ids",) if k in result and i == 0}
+            role = {"index": i, "delta": {"role": "assistant", "content": ""}}
+            yield sse({**base, "choices": [role], **prompt})
+            for j, delta in enumerate(_message_deltas(message)):
+                yield sse(
+                    {**base, "choices": [{"index": i, "delta": delta, **(ids if j == 0 else {})}]}
+                )
+            end = {"index": i, "delta": {}}
+        else:
+            yield sse({**base, "choices": [{"index": i, "text": choice.get("text", ""), **ids}]})
+            end = {"index": i, "text": ""}
+        end.update(finish_reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"))
+        yield sse({**base, "choices": [end]})
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": result.get("usage")})
+    yield DONE
+
+
+def _message_deltas(message: dict) -> list[dict]:
+    """A recorded chat message as stream deltas: reasoning, content, then each tool call (its
+    id, type and name first, then its arguments), as the live stream sent them."""
+    deltas: list[dict] = []
+    if message.get("reasoning_content"):
+        deltas.append({"reasoning_content": message["reasoning_content"]})
+    deltas.append({"content": message.get("content") or ""})
+    for j, call in enumerate(message.get("tool_calls") or []):
+        function = call["function"]
+        head = {"index": j, "id": call["id"], "type": call["type"]}
+        deltas.append(
+            {"tool_calls": [{**head, "function": {"name": function["name"], "arguments": ""}}]}
+        )
+        deltas.append(
+            {"tool_calls": [{"index": j, "function": {"arguments": function["arguments"]}}]}
+        )
+    return deltas

@@ -1,0 +1,249 @@
+"""The OpenAI-compatible endpoints: admission (parse, limits, template, grammar) completes
+before any header is sent; then outputs are framed as one JSON body or an ordered stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from actors.outputs import RequestOutput
+from serve_app import errors
+from serve_app.access.keys import principal_of
+from serve_app.access.limits import check_request, record_usage
+from serve_app.backpressure.flow_board import board_name
+from serve_app.backpressure.proxy_flow import flow_header
+from serve_app.backpressure.proxy_flow import is_enabled as proxy_flow_enabled
+from serve_app.config.options import ServeConfig
+from serve_app.openai.admission import Admission, Job
+from serve_app.openai.request_ids import HEADER as REQUEST_ID_HEADER
+from serve_app.openai.request_ids import RequestIds
+from serve_app.openai.stream import observe_end, record_cancel, stream_sse
+from serve_app.openai.token_text import TokenTexts
+from serve_app.parsers.chat_output import PROMPT_TAIL, chat_parse_options
+from serve_app.protocol import parse_request
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIHandlers:
+    def __init__(self, config: ServeConfig, tokenizer, grammar, engine, identity: dict, admit=None):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.identity = identity
+        self.tokenizer = tokenizer
+        self.engine = engine.options(stream=True)
+        self.texts = TokenTexts(AutoTokenizer.from_pretrained(config.model))
+        self.admission = Admission(config, identity, self.texts, grammar)
+        # Server-wide admission (draining); runs before any parsing.
+        self.admit = admit
+        self.request_ids = RequestIds(config.request_id_retention_s)
+
+    # ------------------------------------------------------------------ endpoints
+    async def chat(self, request: Request) -> Response:
+        return await self._identified(request, "chat", self._chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._identified(request, "completion", self._completions)
+
+    async def _identified(self, request: Request, kind: str, handler) -> Response:
+        """Admission, then the request-id guard around the endpoint's own work."""
+        if self.admit is not None:
+            await self.admit()
+        body = await request.body()
+        if len(body) > self.config.limits.max_body_bytes:
+            raise errors.body_too_large(self.config.limits.max_body_bytes)
+        req = self._parse(body, kind)
+        check_request(principal_of(request), req, self.config.limits)
+        return await self.request_ids.guard(
+            request.headers.get(REQUEST_ID_HEADER),
+            principal_of(request).tenant,
+            body,
+            bool(req.stream),
+            req.include_usage,
+            lambda record: handler(req, request, record),
+        )
+
+    async def _chat(self, req, request: Request, record) -> Response:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        prompt_ids = await self.tokenizer.render_chat.remote(
+            messages,
+            add_generation_prompt=req.wants_generation_prompt,
+            continue_final_message=bool(req.continue_final_message),
+            tools=req.tools,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+        parse = chat_parse_options(req, self.texts.tokenizer.decode(prompt_ids[-PROMPT_TAIL:]))
+        job = await self.admission.job(
+            req, [prompt_ids], "messages", chat=True, echo=[""], request=request, parse=parse
+        )
+        job.on_complete = record
+        return await self._respond(job, request)
+
+    async def _completions(self, req, request: Request, record) -> Response:
+        prompts = req.prompts()
+        if len(prompts) > self.config.limits.max_prompts_per_request:
+            raise errors.invalid_request(
+                f"at most {self.config.limits.max_prompts_per_request} prompts per request",
+                "prompt",
+            )
+        ids_list = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids_list.append(await self.tokenizer.encode.remote(p))
+            else:
+                await self.tokenizer.check_token_ids.remote(p, "prompt")
+                ids_list.append(p)
+        echo = [
+            (p if isinstance(p, str) else self.texts.tokenizer.decode(p)) if req.echo else ""
+            for p in prompts
+        ]
+        job = await self.admission.job(
+            req, ids_list, "prompt", chat=False, echo=echo, request=request
+        )
+        job.on_complete = record
+        return await self._respond(job, request)
+
+    # ------------------------------------------------------------------- parsing
+    def _parse(self, body: bytes, kind: str):
+        req = parse_request(kind, body)
+        if req.model != self.config.model_id:
+            raise errors.not_found(
+                "model_not_found", f"The model '{errors.echo(req.model)}' does not exist.", "model"
+            )
+        return req
+
+    # ------------------------------------------------------------------- response
+    async def _respond(self, job: Job, request: Request) -> Response:
+        headers = {}
+        if job.req.stream and proxy_flow_enabled():
+            # The proxy pauses this key while the client's socket is full; the engine holds.
+            key = uuid.uuid4().hex
+            for r in job.engine_requests:
+                r.flow_key = key
+            name, value = flow_header(board_name(self.config.model_id), key)
+            headers[name] = value
+        streams = [self.engine.generate.remote(r) for r in job.engine_requests]
+        firsts = []
+        try:
+            for prompt_idx, gen in enumerate(streams):
+                firsts.append(await self._first(gen, job, prompt_idx))
+        except BaseException:
+            for gen in streams:
+                gen.cancel()
+            raise
+        # The prompt's logprobs ride on each prompt's first output.
+        job.formatter.prompt_logprobs = [first.prompt_logprobs for first in firsts]
+        merged = self._merge(streams, firsts, job)
+        if job.req.stream:
+            return StreamingResponse(
+                stream_sse(merged, job), media_type="text/event-stream", headers=headers
+            )
+        try:
+            return await self._collect(merged, job)
+        except asyncio.CancelledError:
+            record_cancel(job)
+            raise
+
+    async def _first(self, gen, job: Job, prompt_idx: int) -> RequestOutput:
+        """The first output decides the status: a grammar that failed is a 400 here."""
+        try:
+            out = await gen.__anext__()
+        except errors.APIError as exc:  # the engine deployment's own (Ray wraps it: unwrap)
+            raise errors.api_error_in(exc) or exc from None
+        except ValueError as exc:
+            raise errors.invalid_request(str(exc), "prompt") from exc
+        except Exception as exc:
+            logger.error("engine refused request: %s", type(exc).__name__)
+            raise errors.internal_error("The engine is unavailable.", retryable=True) from exc
+        if out.error_code == "invalid_grammar":
+            raise errors.invalid_grammar(out.error or "grammar failed", job.req.grammar_param())
+        if out.error_code == "overloaded":  # the grammar compilers are saturated
+            raise errors.overloaded(out.error or "grammar compilation is overloaded", 1.0)
+        if out.error_code == "request_limit_exceeded":
+            message = f"Invalid grammar: {out.error}"
+            raise errors.APIError(400, out.error_code, message, param=job.req.grammar_param())
+        if out.error_code == "deadline_too_short":
+            raise errors.deadline_too_short(out.error or "deadline too short")
+        if out.error_code == "deadline_unmeetable":
+            raise errors.deadline_unmeetable(out.error or "queue too long", retry_after_s=1.0)
+        if out.error is not None:
+            raise errors.internal_error(f"The engine failed: {out.error}", retryable=True)
+        return out
+
+    async def _merge(
+        self, streams: list, firsts: list[RequestOutput], job: Job
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from every prompt's stream, ending at the deadline."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+        async def pump(i: int, gen) -> None:
+            try:
+                async for out in gen:
+                    await queue.put((i, out))
+            except Exception as exc:  # noqa: BLE001 (the replica or its worker died)
+                # A lost engine ends this prompt with an error, never as a short success,
+                # and nothing it started is re-run elsewhere.
+                logger.error("engine stream lost: %s", type(exc).__name__)
+                lost = RequestOutput("", [], [], 0, True, error="the engine replica was lost")
+                lost.error_code = "engine_lost"
+                await queue.put((i, lost))
+            finally:
+                await queue.put((i, None))
+
+        pending = 0
+        tasks = []
+        for i, (gen, first) in enumerate(zip(streams, firsts, strict=True)):
+            await queue.put((i, first))
+            if not first.finished:
+                pending += 1
+                tasks.append(asyncio.create_task(pump(i, gen)))
+        try:
+            while pending or not queue.empty():
+                timeout = None if job.deadline is None else job.deadline - time.monotonic()
+                try:
+                    i, out = await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError:
+                    yield -1, None  # deadline: the caller ends the open choices
+                    return
+                if out is None:
+                    pending -= 1
+                    continue
+                yield i, out
+        finally:
+            for task in tasks:
+                task.cancel()
+            for gen in streams:
+                gen.cancel()
+
+    async def _collect(self, merged, job: Job) -> Response:
+        choices = job.new_choices()
+        cached = [0] * len(job.engine_requests)
+        try:
+            async for i, out in merged:
+                if out is None:
+                    for c in choices:
+                        if c.finish_reason is None:
+                            c.finish("timeout")
+                    break
+                if out.error is not None:
+                    raise errors.internal_error(f"The engine failed: {out.error}", retryable=False)
+                cached[i] = out.num_cached_tokens
+                for d in out.deltas:
+                    choices[i * job.n + d.index].add(d)
+        except asyncio.CancelledError:
+            # The key's budget settles to what was produced before the client left.
+            record_usage(job.usage(choices, cached).total_tokens)
+            raise
+        usage = job.usage(choices, cached)
+        observe_end(job, choices, usage)
+        body = job.formatter.body(choices, usage, job.choice_echo())
+        if job.on_complete is not None:
+            job.on_complete(body)
+        return JSONResponse(body)

@@ -1,0 +1,1 @@
+"""Operations: the admin app, stats registry and reporter, timelines."""

@@ -1,0 +1,1 @@
+"""Model text -> content, tool calls and reasoning (streaming, per request)."""

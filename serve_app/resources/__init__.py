@@ -1,0 +1,1 @@
+"""Durable resources the API families share: the runner, the resource, live state."""

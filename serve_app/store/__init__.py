@@ -1,0 +1,1 @@
+"""The durable store: its contract and the SQLite and PostgreSQL backends."""

@@ -1,0 +1,233 @@
+"""Durable state of the generations API: generation resources, idempotency keys, conversations.
+
+`Store` is the seam; `store_sqlite.SQLiteStore` (WAL, one file in a local data folder) is the
+default and `store_postgres.PostgresStore` mirrors the same schema for clusters. Methods are
+synchronous (callers use `asyncio.to_thread`), every method is one transaction, and a method
+returns only after its transaction is committed: a write the caller answers about is never
+lost.
+
+Schema (plain SQL types, JSON as TEXT, times as REAL Unix seconds):
+
+    generations(id TEXT PK, tenant TEXT, status TEXT, owner TEXT, data TEXT,
+                created_at REAL, updated_at REAL, expires_at REAL NULL)
+    idempotency_keys(tenant TEXT, operation TEXT, key TEXT, body_hash TEXT,
+                     generation_id TEXT, expires_at REAL, PK(tenant, operation, key))
+    conversations(id TEXT PK, tenant TEXT, revision INTEGER, messages TEXT,
+                  pending_generation TEXT NULL, created_at REAL, updated_at REAL,
+                  expires_at REAL)
+    owners(owner TEXT PK, heartbeat_at REAL)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+Clock = Callable[[], float]
+
+# Statuses after which a generation never changes again.
+TERMINAL_STATUSES = frozenset({"completed", "incomplete", "refused", "failed", "cancelled"})
+UNFINISHED_STATUSES = ("queued", "running")
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """One generation resource. `data` is the rest of its JSON (never `id`/`status`)."""
+
+    id: str
+    tenant: str
+    status: str
+    owner: str
+    data: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    # None while unfinished: retention counts from the end.
+    expires_at: float | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+@dataclass(frozen=True)
+class ConversationRecord:
+    id: str
+    tenant: str
+    revision: int
+    messages: list[dict[str, Any]]
+    created_at: float
+    updated_at: float
+    expires_at: float
+    # The generation that holds the next turn, if any (at most one at a time).
+    pending_generation: str | None = None
+
+
+@dataclass(frozen=True)
+class IdempotencyKey:
+    operation: str
+    key: str
+    body_hash: str  # of the normalized request
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class ConversationTurn:
+    """A generation's claim on the next turn of a conversation."""
+
+    conversation_id: str
+    expected_revision: int
+
+
+@dataclass(frozen=True)
+class TurnAppend:
+    """What a finished generation adds to the conversation turn it held."""
+
+    messages: list[dict[str, Any]]
+    # The conversation's new expiry (retention counts from its last change).
+    expires_at: float
+
+
+class InsertOutcome(Enum):
+    CREATED = "created"
+    REPLAY = "replay"  # the idempotency key names an existing generation, same body
+    KEY_REUSED = "key_reused"  # same key, different body
+    CONVERSATION_NOT_FOUND = "conversation_not_found"
+    STALE_REVISION = "stale_revision"  # revision moved on, or another turn is pending
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    outcome: InsertOutcome
+    # CREATED: the new record; REPLAY / KEY_REUSED: the generation the key names.
+    generation: GenerationRecord | None = None
+    conversation: ConversationRecord | None = None
+
+
+class Store(ABC):
+    """Durable state behind the generations API.
+
+    Invariants every backend keeps:
+    - Tenant scoping: every read and write names a tenant and never sees another tenant's
+      rows (a record of tenant A is "not found" for tenant B). The only cross-tenant reads
+      are `list_orphaned_generations` and `purge_expired`, used by the server itself.
+    - Atomic admission: `insert_generation` checks the idempotency key, reserves the
+      conversation turn and inserts the record in one transaction; concurrent callers with
+      the same key get exactly one CREATED.
+    - Compare-and-set: `update_generation` and `finish_generation` write only when the
+      stored status is one of `expected_status`; a terminal record never changes again.
+    - Expiry: a row whose `expires_at` has passed reads as absent, whether or not
+      `purge_expired` has run yet.
+    - Durability: a method returns only after its transaction committed.
+    """
+
+    def __init__(self, clock: Clock = time.time) -> None:
+        self.clock = clock
+
+    @abstractmethod
+    def insert_generation(
+        self,
+        record: GenerationRecord,
+        idempotency: IdempotencyKey | None = None,
+        turn: ConversationTurn | None = None,
+    ) -> InsertResult:
+        """Record a new generation; REPLAY/KEY_REUSED/... leave the store unchanged."""
+
+    @abstractmethod
+    def get_generation(self, tenant: str, generation_id: str) -> GenerationRecord | None: ...
+
+    @abstractmethod
+    def update_generation(self, record: GenerationRecord, expected_status: Collection[str]) -> bool:
+        """Replace status/data/expires_at if the stored status is expected; False otherwise."""
+
+    @abstractmethod
+    def finish_generation(
+        self,
+        record: GenerationRecord,
+        expected_status: Collection[str],
+        append: TurnAppend | None = None,
+    ) -> bool:
+        """`update_generation` plus, in the same transaction, the conversation turn it held:
+        with `append` its messages are appended, the revision bumped by one and the expiry
+        moved; without, the turn is only released. False (nothing written) on a status
+        mismatch."""
+
+    @abstractmethod
+    def heartbeat(self, owner: str) -> None:
+        """Mark `owner` (one server process) alive now."""
+
+    @abstractmethod
+    def list_orphaned_generations(self, stale_after_s: float) -> list[GenerationRecord]:
+        """Unfinished generations whose owner has not beaten for `stale_after_s` (any tenant)."""
+
+    @abstractmethod
+    def create_conversation(self, record: ConversationRecord) -> None: ...
+
+    @abstractmethod
+    def get_conversation(self, tenant: str, conversation_id: str) -> ConversationRecord | None: ...
+
+    @abstractmethod
+    def delete_conversation(self, tenant: str, conversation_id: str) -> bool: ...
+
+    @abstractmethod
+    def purge_expired(self) -> int:
+        """Delete every expired row (any tenant); returns how many went."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+# ------------------------------------------------------- row helpers (both backends)
+
+GEN_COLUMNS = "id, tenant, status, owner, data, created_at, updated_at, expires_at"
+CONV_COLUMNS = (
+    "id, tenant, revision, messages, pending_generation, created_at, updated_at, expires_at"
+)
+
+
+def generation_from_row(row: tuple[Any, ...]) -> GenerationRecord:
+    gid, tenant, status, owner, data, created_at, updated_at, expires_at = row
+    return GenerationRecord(
+        gid, tenant, status, owner, json.loads(data), created_at, updated_at, expires_at
+    )
+
+
+def conversation_from_row(row: tuple[Any, ...]) -> ConversationRecord:
+    cid, tenant, revision, messages, pending, created_at, updated_at, expires_at = row
+    return ConversationRecord(
+        cid, tenant, revision, json.loads(messages), created_at, updated_at, expires_at, pending
+    )
+
+
+def open_store(url: str | None, data_dir: str | Path, clock: Clock = time.time) -> Store:
+    """`None` or `sqlite:///PATH` -> SQLiteStore (default: DATA_DIR/serve-app.sqlite3);
+    `postgresql://...` -> PostgresStore."""
+    if url is None or url.startswith("sqlite:///"):
+        from serve_app.store.sqlite import SQLiteStore
+
+        default = Path(data_dir).expanduser() / "serve-app.sqlite3"
+        return SQLiteStore(default if url is None else url.removeprefix("sqlite:///"), clock)
+    if url.startswith(("postgresql://", "postgres://")):
+        from serve_app.store.postgres import PostgresStore  # type: ignore[import-not-found]
+
+        return PostgresStore(url, clock)
+    raise ValueError(f"store: unsupported URL scheme in {url!r} (sqlite:/// or postgresql://)")
+
+
+__all__ = [
+    "ConversationRecord",
+    "ConversationTurn",
+    "GenerationRecord",
+    "IdempotencyKey",
+    "InsertOutcome",
+    "InsertResult",
+    "Store",
+    "TERMINAL_STATUSES",
+    "TurnAppend",
+    "open_store",
+]

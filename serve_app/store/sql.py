@@ -1,0 +1,277 @@
+"""The Store contract in portable SQL, shared by the SQLite and PostgreSQL backends.
+
+A backend supplies its connection handling (`_write` and `_read` yield an object whose
+`execute(sql, params)` takes `?` placeholders and returns a cursor with `fetchone`,
+`fetchall` and `rowcount`), and its locking: `_lock_claim` serialises concurrent claims of
+one idempotency key across processes, and `ROW_LOCK` locks a conversation row read inside a
+write. Both backends keep the same schema (JSON as TEXT, times as Unix seconds).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import abstractmethod
+from collections.abc import Collection
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from serve_app.store.base import (
+    CONV_COLUMNS,
+    GEN_COLUMNS,
+    UNFINISHED_STATUSES,
+    ConversationRecord,
+    ConversationTurn,
+    GenerationRecord,
+    IdempotencyKey,
+    InsertOutcome,
+    InsertResult,
+    Store,
+    TurnAppend,
+    conversation_from_row,
+    generation_from_row,
+)
+
+
+class SQL(Protocol):
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Any: ...
+
+
+class SQLStore(Store):
+    # Appended to a conversation read inside a write transaction ("" where the transaction
+    # already holds the database's write lock).
+    ROW_LOCK = ""
+
+    @abstractmethod
+    def _write(self) -> AbstractContextManager[SQL]:
+        """One write transaction, committed when the block ends, rolled back on error."""
+
+    @abstractmethod
+    def _read(self) -> AbstractContextManager[SQL]:
+        """A consistent read."""
+
+    def _lock_claim(self, db: SQL, tenant: str, key: IdempotencyKey) -> None:
+        """Serialise concurrent claims of one key (a no-op where writes are serialised)."""
+
+    # ---------------------------------------------------------------- generations
+
+    def insert_generation(
+        self,
+        record: GenerationRecord,
+        idempotency: IdempotencyKey | None = None,
+        turn: ConversationTurn | None = None,
+    ) -> InsertResult:
+        now = self.clock()
+        with self._write() as db:
+            if idempotency is not None:
+                self._lock_claim(db, record.tenant, idempotency)
+                found = self._find_key(db, record.tenant, idempotency, now)
+                if found is not None:
+                    return found
+            conversation = None
+            if turn is not None:
+                conversation = self._get_conversation(
+                    db, record.tenant, turn.conversation_id, lock=True
+                )
+                if conversation is None:
+                    return InsertResult(InsertOutcome.CONVERSATION_NOT_FOUND)
+                if (
+                    conversation.revision != turn.expected_revision
+                    or conversation.pending_generation is not None
+                ):
+                    return InsertResult(InsertOutcome.STALE_REVISION, conversation=conversation)
+                db.execute(
+                    "UPDATE conversations SET pending_generation = ? WHERE id = ?",
+                    (record.id, conversation.id),
+                )
+            db.execute(
+                f"INSERT INTO generations ({GEN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.id,
+                    record.tenant,
+                    record.status,
+                    record.owner,
+                    json.dumps(record.data),
+                    record.created_at,
+                    record.updated_at,
+                    record.expires_at,
+                ),
+            )
+            if idempotency is not None:
+                # An expired key row may still be there (not purged yet): it is replaced.
+                db.execute(
+                    "INSERT INTO idempotency_keys (tenant, operation, key, body_hash,"
+                    " generation_id, expires_at) VALUES (?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT (tenant, operation, key) DO UPDATE SET"
+                    " body_hash = excluded.body_hash, generation_id = excluded.generation_id,"
+                    " expires_at = excluded.expires_at",
+                    (
+                        record.tenant,
+                        idempotency.operation,
+                        idempotency.key,
+                        idempotency.body_hash,
+                        record.id,
+                        idempotency.expires_at,
+                    ),
+                )
+        return InsertResult(InsertOutcome.CREATED, record, conversation)
+
+    def _find_key(
+        self, db: SQL, tenant: str, key: IdempotencyKey, now: float
+    ) -> InsertResult | None:
+        row = db.execute(
+            "SELECT body_hash, generation_id FROM idempotency_keys WHERE tenant = ? AND"
+            " operation = ? AND key = ? AND expires_at > ?",
+            (tenant, key.operation, key.key, now),
+        ).fetchone()
+        if row is None:
+            return None
+        existing = self._get_generation(db, tenant, row[1], now)
+        if existing is None:
+            # The generation it named has expired: the key is free again.
+            return None
+        outcome = InsertOutcome.REPLAY if row[0] == key.body_hash else InsertOutcome.KEY_REUSED
+        return InsertResult(outcome, existing)
+
+    def _get_generation(
+        self, db: SQL, tenant: str, generation_id: str, now: float
+    ) -> GenerationRecord | None:
+        row = db.execute(
+            f"SELECT {GEN_COLUMNS} FROM generations WHERE id = ? AND tenant = ?"
+            " AND (expires_at IS NULL OR expires_at > ?)",
+            (generation_id, tenant, now),
+        ).fetchone()
+        return None if row is None else generation_from_row(row)
+
+    def get_generation(self, tenant: str, generation_id: str) -> GenerationRecord | None:
+        with self._read() as db:
+            return self._get_generation(db, tenant, generation_id, self.clock())
+
+    def update_generation(self, record: GenerationRecord, expected_status: Collection[str]) -> bool:
+        with self._write() as db:
+            return self._update(db, record, expected_status)
+
+    def _update(self, db: SQL, record: GenerationRecord, expected_status: Collection[str]) -> bool:
+        statuses = sorted(expected_status)
+        marks = ", ".join("?" for _ in statuses)
+        cursor = db.execute(
+            "UPDATE generations SET status = ?, data = ?, updated_at = ?, expires_at = ?"
+            f" WHERE id = ? AND tenant = ? AND status IN ({marks})",
+            (
+                record.status,
+                json.dumps(record.data),
+                record.updated_at,
+                record.expires_at,
+                record.id,
+                record.tenant,
+                *statuses,
+            ),
+        )
+        return cursor.rowcount == 1
+
+    def finish_generation(
+        self,
+        record: GenerationRecord,
+        expected_status: Collection[str],
+        append: TurnAppend | None = None,
+    ) -> bool:
+        with self._write() as db:
+            if not self._update(db, record, expected_status):
+                return False
+            row = db.execute(
+                "SELECT id, messages, revision FROM conversations"
+                " WHERE tenant = ? AND pending_generation = ?" + self.ROW_LOCK,
+                (record.tenant, record.id),
+            ).fetchone()
+            if row is None:
+                return True
+            if append is not None:
+                messages = json.loads(row[1]) + append.messages
+                db.execute(
+                    "UPDATE conversations SET messages = ?, revision = ?,"
+                    " pending_generation = NULL, updated_at = ?, expires_at = ? WHERE id = ?",
+                    (
+                        json.dumps(messages),
+                        row[2] + 1,
+                        record.updated_at,
+                        append.expires_at,
+                        row[0],
+                    ),
+                )
+            else:
+                db.execute(
+                    "UPDATE conversations SET pending_generation = NULL WHERE id = ?", (row[0],)
+                )
+            return True
+
+    def heartbeat(self, owner: str) -> None:
+        with self._write() as db:
+            db.execute(
+                "INSERT INTO owners (owner, heartbeat_at) VALUES (?, ?)"
+                " ON CONFLICT (owner) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
+                (owner, self.clock()),
+            )
+
+    def list_orphaned_generations(self, stale_after_s: float) -> list[GenerationRecord]:
+        cutoff = self.clock() - stale_after_s
+        with self._read() as db:
+            rows = db.execute(
+                f"SELECT {GEN_COLUMNS} FROM generations g WHERE status IN (?, ?)"
+                " AND NOT EXISTS (SELECT 1 FROM owners o WHERE o.owner = g.owner"
+                " AND o.heartbeat_at > ?)",
+                (*UNFINISHED_STATUSES, cutoff),
+            ).fetchall()
+        return [generation_from_row(row) for row in rows]
+
+    # -------------------------------------------------------------- conversations
+
+    def create_conversation(self, record: ConversationRecord) -> None:
+        with self._write() as db:
+            db.execute(
+                f"INSERT INTO conversations ({CONV_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.id,
+                    record.tenant,
+                    record.revision,
+                    json.dumps(record.messages),
+                    record.pending_generation,
+                    record.created_at,
+                    record.updated_at,
+                    record.expires_at,
+                ),
+            )
+
+    def _get_conversation(
+        self, db: SQL, tenant: str, conversation_id: str, lock: bool = False
+    ) -> ConversationRecord | None:
+        row = db.execute(
+            f"SELECT {CONV_COLUMNS} FROM conversations WHERE id = ? AND tenant = ?"
+            " AND expires_at > ?" + (self.ROW_LOCK if lock else ""),
+            (conversation_id, tenant, self.clock()),
+        ).fetchone()
+        return None if row is None else conversation_from_row(row)
+
+    def get_conversation(self, tenant: str, conversation_id: str) -> ConversationRecord | None:
+        with self._read() as db:
+            return self._get_conversation(db, tenant, conversation_id)
+
+    def delete_conversation(self, tenant: str, conversation_id: str) -> bool:
+        with self._write() as db:
+            cursor = db.execute(
+                "DELETE FROM conversations WHERE id = ? AND tenant = ? AND expires_at > ?",
+                (conversation_id, tenant, self.clock()),
+            )
+            return cursor.rowcount == 1
+
+    # ---------------------------------------------------------------------- upkeep
+
+    def purge_expired(self) -> int:
+        now = self.clock()
+        with self._write() as db:
+            removed = 0
+            for table in ("generations", "idempotency_keys", "conversations"):
+                cursor = db.execute(
+                    f"DELETE FROM {table} WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                    (now,),
+                )
+                removed += cursor.rowcount
+            return removed
