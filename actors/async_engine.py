@@ -23,6 +23,8 @@ from actors.request import FinishReason
 from actors.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# How often an engine with live requests but nothing to run re-checks its deadlines.
+_IDLE_POLL_S = 0.01
 
 Command = Callable[[EngineCore], None]
 
@@ -257,6 +259,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             self._steps_begun += 1
+            ran = self.core.num_steps
             try:
                 outputs = self.core.step()
             except Exception:
@@ -265,6 +268,12 @@ class AsyncEngine:
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
             self._post(outputs, self._steps_begun)
+            if self.core.num_steps == ran and not outputs:
+                # Live requests but nothing to run (all waiting for a grammar, or held): wait
+                # for a command instead of spinning, which took a core and the GIL from the
+                # event loop that delivers the grammar. The timeout keeps deadlines checked.
+                self._wake.wait(timeout=_IDLE_POLL_S)
+                self._wake.clear()
 
     def _post(self, outputs: list[RequestOutput], step: int) -> None:
         if outputs and self._loop is not None:

@@ -75,3 +75,43 @@ def test_slow_compile_overlaps_prefill(bench_path):
     # all of it: the event loop that delivers the grammar shares the GIL with the step).
     saved = prefill + COMPILE_DELAY_S - constrained
     assert saved > 0.2 * min(prefill, COMPILE_DELAY_S), (prefill, constrained, timeline)
+
+
+def test_an_engine_waiting_for_a_grammar_leaves_the_cpu_idle(bench_path):
+    """Once the prompt is prefilled and only the grammar is missing, the step thread waits
+    for it instead of spinning: spinning took a core (and the GIL) from the event loop that
+    delivers the grammar, and the compile delay showed up in full on top of prefill."""
+    llm = LLM(model=bench_path)
+    service = GrammarService(bench_path)
+    cache = CompiledGrammarCache(lambda: load_tokenizer_info(bench_path))
+    payload = asyncio.run(service.compile(GrammarSpec("json_object", "")))
+    wait_s = 1.5
+
+    async def scenario() -> float:
+        engine = AsyncEngine(llm.engine, cache.get_constraint)
+        engine.core.shutdown = lambda: None  # the LLM owns the executor
+        released = asyncio.Event()
+        cpu: dict[str, float] = {}
+
+        async def late_grammar():
+            await asyncio.sleep(0.5)  # the 16-token prefill is long done by now
+            cpu["start"] = time.process_time()
+            await asyncio.sleep(wait_s)
+            cpu["end"] = time.process_time()
+            released.set()
+            return payload
+
+        try:
+            await first_token_after(engine, prompt(3)[:16], late_grammar())
+        finally:
+            engine.shutdown()
+        assert released.is_set()
+        return (cpu["end"] - cpu["start"]) / wait_s
+
+    try:
+        busy = asyncio.run(scenario())
+    finally:
+        service.close()
+        llm.shutdown()
+    # A spinning step thread keeps one core busy (share ~1.0); waiting costs next to nothing.
+    assert busy < 0.3, f"the process used {busy:.0%} of a core while only waiting"
