@@ -92,7 +92,7 @@ class EngineRequest:
     # The attempt number under this request id: outputs of other attempts are fenced off.
     attempt: int = 0
     # The streamed response this request feeds, when its proxy reports a stalled client
-    # (serve_app.backpressure.proxy_flow): the engine holds it while that key is paused.
+    # (serve_app.backpressure.proxy_hold): the engine holds it while that key is paused.
     flow_key: str | None = None
     # Prefix-cache namespace, chosen by the service (never by the client): cached blocks are
     # shared only between requests of the same namespace.

@@ -116,7 +116,8 @@ def direct_level(path: str, requests, concurrency: int, threads: int) -> float:
 
 def grammar_service_compile_times(path: str) -> dict:
     """The grammar service alone: a compile miss vs a cache hit for the same schema."""
-    from serve_app.grammar.service import GrammarService, GrammarSpec
+    from serve_app.grammar.service import GrammarService
+    from serve_app.grammar.spec import GrammarSpec
 
     service = GrammarService(path)
     try:

@@ -18,7 +18,8 @@ from serve_app.grammar.schema_limits import SchemaLimits
 from serve_app.grammar.service import GrammarService
 from serve_app.ingress import Ingress
 from serve_app.metrics import record_grammar_compile
-from serve_app.ops.admin import HEAD_ONLY, AdminServer
+from serve_app.ops.admin_app import AdminServer
+from serve_app.ops.stats import HEAD_ONLY
 from serve_app.workers.engine import EngineService, build_model_config
 from serve_app.workers.tokenizer import TokenizerService
 

@@ -14,11 +14,11 @@ from starlette.routing import Route
 
 from serve_app import errors, ray_env
 from serve_app.access.keys import principal_of
-from serve_app.access.middleware import admission_middleware
+from serve_app.access.middleware import access_middleware
 from serve_app.access.proxy_keys import register_keys, unregister_keys
-from serve_app.access.public_bind import proxy_host, refuse_open_public_bind
-from serve_app.backpressure import proxy_flow
+from serve_app.backpressure import proxy_hold as proxy_flow
 from serve_app.config.options import ServeConfig
+from serve_app.config.public_bind import proxy_host, refuse_open_public_bind
 from serve_app.generations.routes import GenerationsAPI
 from serve_app.grammar.schema_limits import SchemaLimits, configure_schema_limits
 from serve_app.metrics import record_outcome
@@ -128,7 +128,7 @@ class Ingress:
             # Every failure, the router's 404 / 405 included, in the one error shape.
             exception_handlers=errors.exception_handlers(on_error),
             # Authentication and the body cap come before any route runs.
-            middleware=[admission_middleware(self.config)],
+            middleware=[access_middleware(self.config)],
         )
 
     async def health(self, request: Request) -> Response:

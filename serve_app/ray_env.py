@@ -1,7 +1,7 @@
 """The environment a local Ray must start with: Serve reads these settings once, when each of
 its processes (controller, proxy, replicas) starts, and they inherit it from the raylet.
 
-- The proxy's flow middleware (`serve_app.backpressure.proxy_flow`).
+- The proxy's flow middleware (`serve_app.backpressure.proxy_hold`).
 - Serve's gRPC data plane (`RAY_SERVE_USE_GRPC_BY_DEFAULT`): deployment handles and the
   proxy stream results to their callers over gRPC instead of one Ray object per item. A
   token stream is one item per token, so this is the serving path's largest per-token cost:
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from serve_app.backpressure import proxy_flow
+from serve_app.backpressure import proxy_hold as proxy_flow
 
 GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
 # What every node's `ray start` needs in its environment.
@@ -38,7 +38,7 @@ def head_has_proxy_hook() -> bool:
     environment of the process that deploys."""
     import ray
 
-    from serve_app.ops.admin import HEAD_ONLY
+    from serve_app.ops.stats import HEAD_ONLY
 
     probe = ray.remote(num_cpus=0, resources=HEAD_ONLY)(proxy_flow.is_enabled)
     return bool(ray.get(probe.remote(), timeout=PROBE_TIMEOUT_S))

@@ -12,7 +12,7 @@ import time
 import urllib.request
 
 from serve_app import ray_env
-from serve_app.backpressure import proxy_flow
+from serve_app.backpressure import proxy_hold as proxy_flow
 from serve_app.config.options import ServeConfig
 
 logger = logging.getLogger(__name__)

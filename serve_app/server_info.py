@@ -8,7 +8,7 @@ from serve_app import errors
 from serve_app.access import client_json
 from serve_app.access.keys import KeyLimits
 from serve_app.access.prefix_scope import prefix_cache_info
-from serve_app.backpressure import proxy_flow
+from serve_app.backpressure import proxy_hold as proxy_flow
 from serve_app.checkpoints.prompt_encoding import TOKENIZATION_RULES
 from serve_app.config.options import ServeConfig
 from serve_app.config.profiles import generations_info

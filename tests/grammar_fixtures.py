@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
-from serve_app.grammar.service import CompiledGrammarPayload, GrammarService, GrammarSpec
+from serve_app.grammar.service import CompiledGrammarPayload, GrammarService
+from serve_app.grammar.spec import GrammarSpec
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from serve_app.access.keys import (
     load_keys_file,
     principal_of,
 )
-from serve_app.access.middleware import AdmissionMiddleware
+from serve_app.access.middleware import AccessMiddleware
 
 
 def keys_file(**extra_keys: dict) -> KeysFile:
@@ -169,9 +169,7 @@ def gated_app(keys: KeysFile | None, max_body_bytes: int = 1024) -> Starlette:
         routes=[Route("/health", echo), Route("/v1/echo", echo, methods=["POST"])],
         exception_handlers={errors.APIError: on_api_error},
         middleware=[
-            Middleware(
-                AdmissionMiddleware, keyring=ring, limiter=None, max_body_bytes=max_body_bytes
-            )
+            Middleware(AccessMiddleware, keyring=ring, limiter=None, max_body_bytes=max_body_bytes)
         ],
     )
 

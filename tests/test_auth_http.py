@@ -262,7 +262,7 @@ def test_output_defaults_to_the_key_cap_when_max_tokens_is_not_given(keyed: Keye
 def ledger_usage(key_id: str) -> dict[str, int]:
     import ray
 
-    from serve_app.access.limits import LEDGER_NAMESPACE, ledger_name
+    from serve_app.access.ledger import LEDGER_NAMESPACE, ledger_name
 
     ledger = ray.get_actor(ledger_name(MODEL), namespace=LEDGER_NAMESPACE)
     return ray.get(ledger.usage.remote(key_id))

@@ -23,9 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from serve_app.batch.board import Counts
 from serve_app.batch.faults import KILL_AT_ENV
 from serve_app.batch.job import BatchSummary
+from serve_app.batch.job_board import Counts
 from serve_app.batch.parquet_io import OUTPUT_SCHEMA, OutputDir, compact, read_results, scan_results
 from serve_app.batch.progress import ProgressView, format_duration, progress_line
 

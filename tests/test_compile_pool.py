@@ -12,7 +12,8 @@ import time
 import pytest
 from grammar_fixtures import accepts, compile_spec
 
-from serve_app.grammar.service import GrammarError, GrammarService, GrammarSpec
+from serve_app.grammar.service import GrammarService
+from serve_app.grammar.spec import GrammarError, GrammarSpec
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ import yaml
 from conftest import free_port
 
 from serve_app import ray_env
-from serve_app.backpressure import proxy_flow
+from serve_app.backpressure import proxy_hold as proxy_flow
 
 pytestmark = pytest.mark.serve
 

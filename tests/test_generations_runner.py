@@ -15,10 +15,11 @@ from actors.outputs import CompletionDelta, RequestOutput
 from actors.request import FinishReason
 from actors.sampling_params import SamplingParams
 from serve_app.config.profiles import GenerationOptions
-from serve_app.protocol.params import GrammarSpec
-from serve_app.resources.live import Subscriber
+from serve_app.grammar.spec import GrammarSpec
+from serve_app.resources.admitted import AdmittedGeneration
 from serve_app.resources.resource import resource_json, usage
-from serve_app.resources.runner import GenerationRunner, Plan
+from serve_app.resources.runner import GenerationRunner
+from serve_app.resources.running import Subscriber
 from serve_app.store.base import (
     ConversationRecord,
     ConversationTurn,
@@ -104,12 +105,14 @@ def runner_for(store: SQLiteStore, engine: FakeEngine) -> GenerationRunner:
     return GenerationRunner(store, engine, FakeGrammar(), options, "me", resource_json)
 
 
-def plan(fmt: str = "text", gid: str = "gen_1", turn: ConversationTurn | None = None) -> Plan:
+def plan(
+    fmt: str = "text", gid: str = "gen_1", turn: ConversationTurn | None = None
+) -> AdmittedGeneration:
     now = time.time()
     data = {"output_format": fmt, "usage": usage(4, 0, 0, "estimate"), "output": []}
     record = GenerationRecord(gid, "t1", "queued", "me", data, now, now, None)
     grammar = GrammarSpec("json_schema", "{}") if fmt != "text" else None
-    return Plan(
+    return AdmittedGeneration(
         record,
         [1, 2, 3, 4],
         SamplingParams(max_tokens=8),
@@ -126,7 +129,7 @@ def text(s: str) -> list[dict[str, str]]:
     return [{"type": "text", "text": s}]
 
 
-async def run_to_end(runner: GenerationRunner, p: Plan) -> GenerationRecord:
+async def run_to_end(runner: GenerationRunner, p: AdmittedGeneration) -> GenerationRecord:
     _, live = await runner.submit(p, subscribe=False)
     return await live.done
 

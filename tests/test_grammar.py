@@ -17,13 +17,8 @@ import xgrammar as xgr
 from grammar_fixtures import accepts, compile_spec
 
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
-from serve_app.grammar.service import (
-    SUPPORTED_JSON_SCHEMA,
-    CompiledGrammarPayload,
-    GrammarError,
-    GrammarService,
-    GrammarSpec,
-)
+from serve_app.grammar.service import SUPPORTED_JSON_SCHEMA, CompiledGrammarPayload, GrammarService
+from serve_app.grammar.spec import GrammarError, GrammarSpec
 
 # ------------------------------------------------------------------------- kinds and cache
 

@@ -13,7 +13,8 @@ import pytest
 from actors import LLM, SamplingParams
 from actors.async_engine import AsyncEngine
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
-from serve_app.grammar.service import GrammarService, GrammarSpec
+from serve_app.grammar.service import GrammarService
+from serve_app.grammar.spec import GrammarSpec
 
 COMPILE_DELAY_S = 0.5
 PROMPT_TOKENS = 512

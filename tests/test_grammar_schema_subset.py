@@ -12,7 +12,8 @@ import pytest
 from grammar_fixtures import accepts, compile_spec
 
 from serve_app.grammar.schema_subset import SchemaRefused, check_schema_subset
-from serve_app.grammar.service import SUPPORTED_JSON_SCHEMA, GrammarError
+from serve_app.grammar.service import SUPPORTED_JSON_SCHEMA
+from serve_app.grammar.spec import GrammarError
 
 # ------------------------------------------------------------ the JSON Schema subset we claim
 

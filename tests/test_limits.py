@@ -9,15 +9,10 @@ from typing import Any
 import pytest
 
 from serve_app import errors
+from serve_app.access.budgets import Limiter, Meter, record_usage
 from serve_app.access.keys import OPEN_PRINCIPAL, KeyLimits, Principal
-from serve_app.access.limits import (
-    Limiter,
-    Meter,
-    UsageLedger,
-    check_request,
-    check_tools,
-    record_usage,
-)
+from serve_app.access.ledger import UsageLedger
+from serve_app.access.static_limits import check_request, check_tools
 from serve_app.config.options import LimitOptions
 from serve_app.protocol import parse_request
 

@@ -98,7 +98,7 @@ def test_public_document_covers_every_route_the_ingress_serves(config):
 
 
 def test_admin_document_covers_every_admin_route():
-    from serve_app.ops.admin import build_admin_app
+    from serve_app.ops.admin_app import build_admin_app
 
     app = build_admin_app(registry=None, api_key=None)
     assert _documented(admin_document(keyed=False)) == _served(app)
@@ -173,14 +173,14 @@ class _Registry:
         return draining
 
     async def call(self, method):
-        # As serve_app.ops.admin.LiveRegistry: the routes name the method, the registry calls it.
+        # As serve_app.ops.stats.RegistryHandle: the routes name the method, the registry calls it.
         return await method(self)
 
 
 def test_admin_openapi_needs_the_admin_key_and_drain_parses_with_its_model():
     from starlette.testclient import TestClient
 
-    from serve_app.ops.admin import build_admin_app
+    from serve_app.ops.admin_app import build_admin_app
 
     registry = _Registry()
     client = TestClient(build_admin_app(registry, api_key="sekrit"))

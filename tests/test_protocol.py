@@ -6,12 +6,8 @@ from typing import Any
 import pytest
 
 from serve_app.errors import APIError
-from serve_app.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GrammarSpec,
-    parse_request,
-)
+from serve_app.grammar.spec import GrammarSpec
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 DROP = object()
 USER = {"role": "user", "content": "hi"}

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from side_apps import side_app, side_config
 
-from serve_app.backpressure.proxy_flow import FLOW_HEADER
+from serve_app.backpressure.proxy_hold import FLOW_HEADER
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray]
 
@@ -166,7 +166,7 @@ def test_a_client_that_stops_reading_is_held_while_others_stream_then_resumes(fl
 
 
 def test_server_info_states_how_a_stalled_client_is_detected(flow_app):
-    from serve_app.backpressure import proxy_flow
+    from serve_app.backpressure import proxy_hold as proxy_flow
 
     url, _ = flow_app
     info = httpx.get(f"{url}/v1/server_info", timeout=10).json()["backpressure"]

@@ -8,9 +8,10 @@ import asyncio
 import pytest
 
 from serve_app import ray_env
-from serve_app.backpressure import flow_board, proxy_flow
-from serve_app.backpressure.flow_board import FlowBoard, FlowGate
-from serve_app.backpressure.proxy_flow import FLOW_HEADER, ProxyFlowMiddleware, flow_header
+from serve_app.backpressure import proxy_hold as proxy_flow
+from serve_app.backpressure import stalled_streams as flow_board
+from serve_app.backpressure.proxy_hold import FLOW_HEADER, ProxyHoldMiddleware, flow_header
+from serve_app.backpressure.stalled_streams import StalledStreams, StallWatcher
 
 
 class FakeBoard:
@@ -56,7 +57,7 @@ def run_through(app, send_delays: list[float]) -> tuple[list[dict], FakeBoard]:
         sent.append(message)
 
     async def main():
-        middleware = ProxyFlowMiddleware(app)
+        middleware = ProxyHoldMiddleware(app)
         await middleware({"type": "http"}, None, send)
         await asyncio.gather(*middleware._calls)
 
@@ -133,7 +134,7 @@ def test_responses_without_a_flow_key_are_passed_through_untouched():
 
 def test_the_board_wakes_watchers_on_change_and_expires_unrenewed_leases():
     async def main():
-        board = FlowBoard(lease_s=0.3)
+        board = StalledStreams(lease_s=0.3)
         version, keys = await board.watch(-1, 1.0)
         assert keys == []
         watcher = asyncio.create_task(board.watch(version, 5.0))
@@ -155,7 +156,7 @@ def test_the_board_wakes_watchers_on_change_and_expires_unrenewed_leases():
 
 def test_the_gate_pauses_and_resumes_only_the_requests_of_a_key():
     calls: list[tuple[str, bool]] = []
-    gate = FlowGate("app", lambda rid, paused: calls.append((rid, paused)))
+    gate = StallWatcher("app", lambda rid, paused: calls.append((rid, paused)))
     gate._requests = {"k": {"r1"}, "other": {"r2"}}
     gate.apply({"k"})
     gate.apply({"k"})
@@ -167,7 +168,7 @@ def test_a_request_tracked_under_an_already_paused_key_is_paused_at_once(monkeyp
     calls: list[tuple[str, bool]] = []
 
     async def main():
-        gate = FlowGate("app", lambda rid, paused: calls.append((rid, paused)))
+        gate = StallWatcher("app", lambda rid, paused: calls.append((rid, paused)))
         monkeypatch.setattr(gate, "_watch", lambda: asyncio.sleep(0))
         gate._paused = {"k"}
         gate.track("k", "r1")

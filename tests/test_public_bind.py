@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from serve_app.access.keys import KeysFile
-from serve_app.access.public_bind import proxy_host, refuse_open_public_bind
 from serve_app.config.options import ServeConfig
+from serve_app.config.public_bind import proxy_host, refuse_open_public_bind
 
 
 def config(tmp_path, **fields) -> ServeConfig:

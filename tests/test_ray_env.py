@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from serve_app import ray_env
-from serve_app.backpressure import proxy_flow
+from serve_app.backpressure import proxy_hold as proxy_flow
 
 
 def test_prepare_sets_what_is_missing_and_keeps_an_operators_choice(monkeypatch):

@@ -11,7 +11,7 @@ import xgrammar as xgr
 from grammar_fixtures import accepts, compile_spec
 
 from serve_app.grammar.reasoning import after_reasoning, constraint_ebnf
-from serve_app.grammar.service import GrammarError, GrammarSpec
+from serve_app.grammar.spec import GrammarError, GrammarSpec
 from serve_app.grammar.tools import CALL_PREFIX, tool_call_grammar
 
 SCHEMA = json.dumps({"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}})
@@ -117,11 +117,11 @@ STRICT_BODY = {
 
 def admission_for(model_path: str, **grammar_options):
     from serve_app.config.options import ServeConfig
-    from serve_app.openai.admission import Admission
+    from serve_app.openai.admission import OpenAIAdmission
 
     config = ServeConfig(model=model_path, grammar=grammar_options)
     identity = {"max_model_len": 256, "grammar": {"available": True}}
-    return Admission(config, identity, texts=None, grammar=None)
+    return OpenAIAdmission(config, identity, texts=None, grammar=None)
 
 
 def test_strict_thinking_requires_the_block_where_the_server_offers_it(

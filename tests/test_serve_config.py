@@ -99,7 +99,7 @@ def test_the_ingress_warns_once_where_the_proxy_runs_without_the_hook(
     model_dirs, monkeypatch, caplog, tmp_path, hooked
 ):
     from serve_app.app import served_identity
-    from serve_app.backpressure import proxy_flow
+    from serve_app.backpressure import proxy_hold as proxy_flow
     from serve_app.config.options import ServeConfig
     from serve_app.ingress import Ingress
     from serve_app.server_info import server_info
@@ -128,7 +128,7 @@ def test_the_admin_port_is_waited_for_while_a_predecessor_holds_it_then_named():
     stays taken fails the replica with a message naming it."""
     from conftest import free_port
 
-    from serve_app.ops.admin import bind_listening
+    from serve_app.ops.admin_app import bind_listening
 
     port = free_port()
     holder = socket.create_server(("127.0.0.1", port))

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from serve_app import errors
+from serve_app.access.budgets import LIMITER_STATE_KEY, Limiter
 from serve_app.access.keys import OPEN_PRINCIPAL, PRINCIPAL_STATE_KEY, KeyRing, Principal
-from serve_app.access.limits import LIMITER_STATE_KEY, Limiter
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -28,7 +28,7 @@ def route_path(scope: Scope) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
-class AdmissionMiddleware:
+class AccessMiddleware:
     def __init__(
         self,
         app: ASGIApp,
@@ -116,14 +116,14 @@ async def reject(exc: errors.APIError, scope: Scope, receive: Receive, send: Sen
     await response(scope, receive, send)
 
 
-def admission_middleware(config: Any) -> Any:
+def access_middleware(config: Any) -> Any:
     """The middleware for a ServeConfig's ingress. Without API keys every caller is the open
     principal and there are no per-key budgets, so nothing is metered."""
     from starlette.middleware import Middleware
 
     keyring = KeyRing(config.api_keys) if config.api_keys is not None else None
     return Middleware(
-        AdmissionMiddleware,
+        AccessMiddleware,
         keyring=keyring,
         limiter=Limiter(config.model_id) if keyring is not None else None,
         max_body_bytes=config.limits.max_body_bytes,

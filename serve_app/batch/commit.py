@@ -16,8 +16,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from serve_app.batch.board import BoardClient, Counts, StopOrder
 from serve_app.batch.faults import FaultHook
+from serve_app.batch.job_board import Counts, JobBoardClient, StopOrder
 from serve_app.batch.parquet_io import OUTPUT_SCHEMA, PART_PREFIX, OutputDir, write_atomic
 
 DEFAULT_COMMIT_INTERVAL_S = 10.0
@@ -78,7 +78,7 @@ class JobLink:
 
     def __init__(self, plan: CommitPlan, board: Any, faults: FaultHook):
         self.committer = RowCommitter(plan, faults)
-        self.client = BoardClient(board, self.committer.engine_id)
+        self.client = JobBoardClient(board, self.committer.engine_id)
 
     def begin_call(self) -> bool:
         """Whether to run this call: False once the job is stopping."""

@@ -40,7 +40,8 @@ from serve_app.batch.rows import (
 )
 from serve_app.checkpoints.identity import artifact_identity
 from serve_app.checkpoints.prompt_encoding import PromptEncoder
-from serve_app.grammar.service import GrammarError, GrammarService
+from serve_app.grammar.service import GrammarService
+from serve_app.grammar.spec import GrammarError
 
 logger = logging.getLogger(__name__)
 

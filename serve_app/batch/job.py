@@ -32,9 +32,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from serve_app.batch.board import REPORT_INTERVAL_S, Counts, JobBoard, Snapshot
 from serve_app.batch.commit import DEFAULT_COMMIT_INTERVAL_S, CommitPlan
 from serve_app.batch.faults import FaultHook, kill_points_from_env
+from serve_app.batch.job_board import REPORT_INTERVAL_S, Counts, JobBoard, Snapshot
 from serve_app.batch.parquet_io import (
     BatchInputError,
     InputSource,

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import TextIO
 
-from serve_app.batch.board import Counts
+from serve_app.batch.job_board import Counts
 
 
 def format_duration(seconds: float) -> str:

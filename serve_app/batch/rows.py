@@ -15,8 +15,8 @@ from actors.sampling_params import SamplingParams
 from serve_app import errors
 from serve_app.access import client_json
 from serve_app.checkpoints.prompt_encoding import PromptEncoder, UnsafePromptError
-from serve_app.grammar.service import GrammarSpec
-from serve_app.protocol.params import ResponseFormat, canonical_json, schema_json
+from serve_app.grammar.spec import GrammarSpec
+from serve_app.protocol.params import ResponseFormat, response_format_spec
 
 PROMPT_COLUMNS = ("prompt", "prompt_token_ids", "messages")
 # Per-row sampling columns (null = the job's default); names and ranges as SamplingParams.
@@ -218,11 +218,11 @@ def grammar_spec(raw: Any) -> GrammarSpec | None:
     if kind == "json_schema":
         if not isinstance(value, dict | bool):
             raise RowError("invalid_grammar", "response_format.json_schema: must be a schema")
-        return GrammarSpec(kind, schema_json(value))
+        return GrammarSpec.json_schema(value)
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
             raise RowError("invalid_grammar", "response_format.choice: a non-empty string list")
-        return GrammarSpec(kind, canonical_json(sorted(set(value))))
+        return GrammarSpec.choice(value)
     if not isinstance(value, str) or not value:
         raise RowError("invalid_grammar", f"response_format.{key}: must be a non-empty string")
     return GrammarSpec(kind, value)
@@ -236,11 +236,6 @@ def _openai_format(spec: dict[str, Any]) -> GrammarSpec | None:
             f"{'.'.join(map(str, e['loc'])) or 'response_format'}: {e['msg']}" for e in exc.errors()
         )
         raise RowError("invalid_request", f"response_format: {reasons}") from None
-    except errors.APIError as exc:  # the schema's limits or exactness (schema_admission)
+    except errors.APIError as exc:  # the schema's limits or exactness (grammar.schema_check)
         raise RowError(exc.code, exc.message) from None
-    if rf.type == "text":
-        return None
-    if rf.type == "json_object":
-        return GrammarSpec("json_object", "")
-    assert rf.json_schema is not None  # ResponseFormat's validator guarantees it
-    return GrammarSpec("json_schema", schema_json(rf.json_schema.schema_))
+    return response_format_spec(rf)

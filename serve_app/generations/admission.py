@@ -14,8 +14,8 @@ from starlette.requests import Request
 
 from actors.sampling_params import SamplingParams
 from serve_app import errors
+from serve_app.access.budgets import LIMITER_STATE_KEY
 from serve_app.access.keys import Principal, principal_of, require_model, require_profile
-from serve_app.access.limits import LIMITER_STATE_KEY
 from serve_app.access.prefix_scope import prefix_namespace
 from serve_app.config.options import ServeConfig
 from serve_app.config.profiles import (
@@ -25,9 +25,9 @@ from serve_app.config.profiles import (
     format_instructions,
 )
 from serve_app.generations.protocol import GenerationCreate
-from serve_app.protocol.params import GrammarSpec, schema_json
+from serve_app.grammar.spec import GrammarSpec
+from serve_app.resources.admitted import AdmittedGeneration
 from serve_app.resources.resource import new_generation_id, usage
-from serve_app.resources.runner import Plan
 from serve_app.store.base import ConversationTurn, GenerationRecord, IdempotencyKey, Store
 
 OPERATION = "generations.create"
@@ -49,7 +49,9 @@ class GenerationAdmission:
         self.store = store
         self.owner = owner
 
-    async def plan(self, request: Request, req: GenerationCreate, key: str | None) -> Plan:
+    async def admit(
+        self, request: Request, req: GenerationCreate, key: str | None
+    ) -> AdmittedGeneration:
         principal = principal_of(request)
         profile = self.options.profile(req.profile)
         if profile is None:
@@ -91,7 +93,7 @@ class GenerationAdmission:
         return plan
 
     async def _reserve(
-        self, request: Request, principal: Principal, plan: Plan, max_output: int
+        self, request: Request, principal: Principal, plan: AdmittedGeneration, max_output: int
     ) -> None:
         """The key's concurrency and token budgets (429 naming the limit); the reservation
         is settled to measured usage when the generation ends, however it ends."""
@@ -117,12 +119,12 @@ class GenerationAdmission:
         output_format: str,
         prompt_ids: list[int],
         max_output: int,
-    ) -> Plan:
+    ) -> AdmittedGeneration:
         now = time.time()
         schema = self.options.output_formats.get(output_format)
         grammar = None
         if schema is not None:
-            grammar = GrammarSpec("json_schema", schema_json(constrained_schema(schema)))
+            grammar = GrammarSpec.json_schema(constrained_schema(schema))
         conversation = None
         if req.conversation is not None:
             conversation = req.conversation.model_dump()
@@ -145,7 +147,7 @@ class GenerationAdmission:
         record = GenerationRecord(
             new_generation_id(), tenant, "queued", self.owner, data, now, now, None
         )
-        return Plan(
+        return AdmittedGeneration(
             record=record,
             prompt_ids=prompt_ids,
             params=SamplingParams(

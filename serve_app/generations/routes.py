@@ -30,13 +30,10 @@ from serve_app.generations.admission import GenerationAdmission, conversation_no
 from serve_app.generations.conversations import ConversationsAPI
 from serve_app.generations.protocol import GenerationCreate, idempotency_key, parse_body
 from serve_app.resources.resource import resource_json
-from serve_app.resources.runner import Event, GenerationRunner, Live
-from serve_app.store.base import (
-    GenerationRecord,
-    InsertOutcome,
-    InsertResult,
-    open_store,
-)
+from serve_app.resources.runner import GenerationRunner
+from serve_app.resources.running import Event, RunningGeneration
+from serve_app.store import open_store
+from serve_app.store.base import GenerationRecord, InsertOutcome, InsertResult
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +110,7 @@ class GenerationsAPI:
             raise errors.body_too_large(self.config.limits.max_body_bytes)
         req: GenerationCreate = parse_body(GenerationCreate, body)
         key = idempotency_key(request.headers.get("idempotency-key"))
-        plan = await self.admission.plan(request, req, key)
+        plan = await self.admission.admit(request, req, key)
         result, live = await self.runner.submit(plan, subscribe=req.execution == "stream")
         return await self._answer(req, result, live, request.scope.get("root_path", ""))
 
@@ -138,7 +135,7 @@ class GenerationsAPI:
     # ------------------------------------------------------------------- response
 
     async def _answer(
-        self, req: GenerationCreate, result: InsertResult, live: Live, root: str
+        self, req: GenerationCreate, result: InsertResult, live: RunningGeneration, root: str
     ) -> Response:
         outcome = result.outcome
         if outcome is InsertOutcome.KEY_REUSED:
@@ -187,7 +184,9 @@ class GenerationsAPI:
         status = 202 if req.execution == "background" and not record.is_terminal else 200
         return JSONResponse(resource_json(record), status_code=status, headers=headers)
 
-    async def _sse(self, live: Live, sub: Any, created: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def _sse(
+        self, live: RunningGeneration, sub: Any, created: dict[str, Any]
+    ) -> AsyncIterator[bytes]:
         try:
             yield sse_frame("generation.created", created)
             while True:

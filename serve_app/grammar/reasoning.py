@@ -29,14 +29,9 @@ from xgrammar.structural_tag import (
     TagFormat,
 )
 
-from serve_app.grammar.service import (
-    _BOUNDED_CHAR,
-    _JSON_STRING_CHAR,
-    GrammarError,
-    GrammarSpec,
-    canonical_json_schema,
-    clean_reason,
-)
+from serve_app.grammar.compile_worker import BOUNDED_CHAR as _BOUNDED_CHAR
+from serve_app.grammar.compile_worker import JSON_STRING_CHAR as _JSON_STRING_CHAR
+from serve_app.grammar.spec import GrammarError, GrammarSpec, check_schema, clean_reason
 from serve_app.parsers.reasoning import THINK_CLOSE, THINK_OPEN
 
 # What the chat template writes between `</think>` and the answer.
@@ -44,18 +39,21 @@ AFTER_REASONING = "\n\n"
 
 
 def constraint_ebnf(kind: str, spec: str) -> str:
-    """A constraint as the EBNF the grammar service compiles for it (same options, same
-    JSON-string patch). Raises GrammarError when it does not convert."""
+    """A constraint (a canonical `GrammarSpec`'s kind and text) as the EBNF the grammar
+    service compiles for it (same options, same JSON-string patch). Raises GrammarError when
+    it does not convert."""
     try:
         if kind in ("json_schema", "json_object"):
-            schema = canonical_json_schema(spec) if kind == "json_schema" else '{"type":"object"}'
+            if kind == "json_schema":
+                check_schema(json.loads(spec))
+            schema = spec if kind == "json_schema" else '{"type":"object"}'
             strict = kind == "json_schema"
             grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
             return str(grammar).replace(_BOUNDED_CHAR, _JSON_STRING_CHAR)
         if kind == "regex":
             return str(xgr.Grammar.from_regex(spec))
         if kind == "choice":
-            choices = sorted(set(json.loads(spec)))
+            choices = json.loads(spec)
             return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
         if kind == "ebnf":
             return str(xgr.Grammar.from_ebnf(spec))
@@ -67,11 +65,11 @@ def constraint_ebnf(kind: str, spec: str) -> str:
 
 
 def after_reasoning(
-    spec: GrammarSpec | object, *, strict: bool = False, starts_in_reasoning: bool = False
+    spec: GrammarSpec, *, strict: bool = False, starts_in_reasoning: bool = False
 ) -> GrammarSpec:
-    """`spec` (anything with `kind` and `spec`) applied after an optional reasoning block;
+    """`spec` applied after an optional reasoning block;
     `strict`: the block is required; `starts_in_reasoning`: the output begins inside it."""
-    inner = GrammarFormat(grammar=constraint_ebnf(spec.kind, spec.spec))  # type: ignore[attr-defined]
+    inner = GrammarFormat(grammar=constraint_ebnf(spec.kind, spec.spec))
     free = AnyTextFormat(excludes=[THINK_OPEN])
     begin = "" if starts_in_reasoning else THINK_OPEN
     block = SequenceFormat(

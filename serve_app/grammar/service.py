@@ -17,7 +17,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -40,28 +39,29 @@ from serve_app.grammar.compile_pool import (
 from serve_app.grammar.compile_worker import BOUNDED_CHAR as _BOUNDED_CHAR
 from serve_app.grammar.compile_worker import JSON_STRING_CHAR as _JSON_STRING_CHAR
 from serve_app.grammar.compile_worker import CompileJob
-from serve_app.grammar.schema_limits import SchemaLimitExceeded, SchemaLimits, measure_schema
-from serve_app.grammar.schema_subset import SUPPORTED_JSON_SCHEMA, SchemaRefused
-from serve_app.grammar.schema_subset import check_schema_subset as _check_subset
-from serve_app.protocol.json_schema import schema_json
+from serve_app.grammar.schema_limits import SchemaLimits
+from serve_app.grammar.schema_subset import SUPPORTED_JSON_SCHEMA
+from serve_app.grammar.spec import (
+    GRAMMAR_KINDS,
+    GrammarError,
+    GrammarSpec,
+    check_spec,
+    clean_reason,
+)
 
 logger = logging.getLogger(__name__)
 
 BACKEND = "xgrammar"
 BACKEND_VERSION = importlib.metadata.version("xgrammar")
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 DEFAULT_CACHE_LIMIT_BYTES = 64 << 20
 # Part of the cache key: another backend, version or compile option must not hit old entries.
 COMPILER_ID = (
     f"{BACKEND}=={BACKEND_VERSION};any_whitespace=0;strict_mode=1;bounded_char=json;stop=eos"
 )
-MAX_REASON_CHARS = 500
 # Refusals remembered so a repeat is answered without a compile: bad specs for good, a
 # timeout for a while (a machine that was overloaded then may compile it in time later).
 MAX_REFUSALS = 1024
 TIMEOUT_REFUSAL_TTL_S = 600.0
-# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:NN: ".
-_LOG_PREFIX = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\]\s+\S+?:\d+:\s*")
 # Re-exported: the JSON-string patch (tool grammars) and the subset /v1/server_info lists.
 __all__ = ["SUPPORTED_JSON_SCHEMA", "_BOUNDED_CHAR", "_JSON_STRING_CHAR"]
 
@@ -73,12 +73,6 @@ OnCompile = Callable[[str, float, bool, str], None]  # kind, seconds, hit, outco
 
 
 @dataclass(frozen=True)
-class GrammarSpec:
-    kind: str
-    spec: str = ""
-
-
-@dataclass(frozen=True)
 class CompiledGrammarPayload:
     """What crosses Ray to the engine: plain strings and numbers, so it pickles."""
 
@@ -87,24 +81,6 @@ class CompiledGrammarPayload:
     kind: str
     compile_seconds: float  # how long this request waited (about 0 on a cache hit)
     cache_hit: bool
-
-
-class GrammarError(Exception):
-    """A grammar the service will not compile; `code` is the API error code
-    (`invalid_grammar`, `request_limit_exceeded`, `overloaded`, `grammar_unavailable`)."""
-
-    def __init__(self, reason: str, code: str = "invalid_grammar"):
-        super().__init__(reason)
-        self.reason = reason
-        self.code = code
-
-    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray: keep both fields
-        return (type(self), (self.reason, self.code))
-
-
-def clean_reason(exc: BaseException | str) -> str:
-    text = " ".join(_LOG_PREFIX.sub("", str(exc)).split())
-    return text[:MAX_REASON_CHARS] or type(exc).__name__
 
 
 class _ByteBoundedLRU:
@@ -325,23 +301,15 @@ class GrammarService:
         raise GrammarError(_reason(exc, self.compile_timeout_s))
 
     def _canonicalize(self, spec: GrammarSpec) -> tuple[str, str]:
-        """Validate the spec; return (kind, canonical text) — the cache key and what compiles."""
-        kind = spec.kind
-        if kind not in GRAMMAR_KINDS:
-            names = ", ".join(GRAMMAR_KINDS)
-            raise GrammarError(f"unsupported grammar kind {kind!r}; expected one of {names}")
-        if not self.available:
+        """Validate the spec; return (kind, canonical text) — the cache key and what compiles.
+        The text is canonical already (`GrammarSpec`); only the checks run here."""
+        if spec.kind in GRAMMAR_KINDS and not self.available:
             raise GrammarError(self.unavailable_reason, code="grammar_unavailable")
-        if kind == "json_object":
+        check_spec(spec, self.schema_limits)
+        if spec.kind == "json_object":
             # Not the builtin JSON grammar: that admits top-level arrays and unbounded whitespace.
-            return kind, '{"type":"object"}'
-        if not isinstance(spec.spec, str) or not spec.spec:
-            raise GrammarError(f"a {kind} grammar needs a non-empty spec")
-        if kind == "json_schema":
-            return kind, canonical_json_schema(spec.spec, self.schema_limits)
-        if kind == "choice":
-            return kind, _canonical_choices(spec.spec, self.schema_limits)
-        return kind, spec.spec
+            return spec.kind, '{"type":"object"}'
+        return spec.kind, spec.spec
 
     def _record(self, kind: str, started: float, *, hit: bool, outcome: str) -> float:
         seconds = time.perf_counter() - started
@@ -384,47 +352,3 @@ def _outcome(exc: GrammarError) -> str:
     if exc.code == "overloaded":
         return "overloaded"
     return "timeout" if "timed out" in exc.reason else "error"
-
-
-def _canonical_choices(spec: str, limits: SchemaLimits) -> str:
-    try:
-        choices = json.loads(spec)
-    except json.JSONDecodeError as exc:
-        raise GrammarError(f"choice spec is not valid JSON: {exc}") from None
-    if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
-        raise GrammarError("choice spec must be a non-empty JSON list of strings")
-    if len(choices) > limits.max_nodes:
-        reason = f"{len(choices)} choices; the limit max_schema_nodes allows {limits.max_nodes}"
-        raise GrammarError(reason, "request_limit_exceeded")
-    # Alternation order and duplicates do not change the language.
-    return json.dumps(sorted(set(choices)), ensure_ascii=False)
-
-
-def check_schema(schema: Any, limits: SchemaLimits | None = None) -> None:
-    """Raise GrammarError unless `schema` is within `limits` (when given) and the subset
-    enforced exactly: `request_limit_exceeded` / `invalid_grammar`."""
-    try:
-        if limits is not None:
-            measure_schema(schema, limits)
-        _check_subset(schema)
-    except SchemaLimitExceeded as exc:
-        reason = f"{exc}; the limit {exc.limit} allows {exc.bound}"
-        raise GrammarError(reason, "request_limit_exceeded") from None
-    except SchemaRefused as exc:
-        raise GrammarError(exc.reason) from None
-
-
-def canonical_json_schema(spec: str, limits: SchemaLimits | None = None) -> str:
-    """Keyword order normalised, so equal schemas share a cache entry. Property order and the
-    key order inside enum/const values are kept: they are the order of the generated text.
-    Refuses what `check_schema` refuses."""
-    try:
-        schema = json.loads(spec)
-        if not isinstance(schema, dict | bool):
-            raise GrammarError("a JSON schema must be an object or a boolean")
-        check_schema(schema, limits)
-        return schema_json(schema)
-    except json.JSONDecodeError as exc:
-        raise GrammarError(f"JSON schema is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise GrammarError("JSON schema nests too deeply") from None

@@ -23,7 +23,6 @@ arguments are always enforced.
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,18 +40,13 @@ from xgrammar.structural_tag import (
 )
 
 from serve_app.errors import APIError
-from serve_app.grammar.schema_admission import admit_schema
-from serve_app.grammar.schema_subset import COMBINATORS
 
 # The JSON-string patch lives with GrammarService; both must emit the same JSON strings.
-from serve_app.grammar.service import (
-    _BOUNDED_CHAR,
-    _JSON_STRING_CHAR,
-    GrammarError,
-    GrammarSpec,
-    canonical_json_schema,
-    clean_reason,
-)
+from serve_app.grammar.compile_worker import BOUNDED_CHAR as _BOUNDED_CHAR
+from serve_app.grammar.compile_worker import JSON_STRING_CHAR as _JSON_STRING_CHAR
+from serve_app.grammar.schema_check import check_schema_carrier
+from serve_app.grammar.schema_subset import COMBINATORS
+from serve_app.grammar.spec import GrammarError, GrammarSpec, check_schema, clean_reason
 from serve_app.parsers.reasoning import THINK_CLOSE, THINK_OPEN
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -182,7 +176,8 @@ def arguments_ebnf(parameters: Mapping[str, Any] | None) -> str:
     """EBNF for a tool's arguments; raises RuntimeError/ValueError/GrammarError if the schema
     does not compile."""
     schema = arguments_schema(parameters)
-    return _schema_ebnf(canonical_json_schema(json.dumps(schema, ensure_ascii=False)))
+    check_schema(schema)
+    return _schema_ebnf(GrammarSpec.json_schema(schema).spec)
 
 
 @functools.lru_cache(maxsize=256)
@@ -225,7 +220,7 @@ def _check_parameters(parameters: Any, param: str) -> None:
         raise ToolSpecError(param, "must describe an object (type 'object')")
     # Bounded and exact before xgrammar sees it (it converts here, in the ingress).
     try:
-        admit_schema(arguments_schema(parameters), param)
+        check_schema_carrier(arguments_schema(parameters), param)
     except APIError as exc:
         reason = exc.message.removeprefix("Invalid grammar: ")
         raise ToolSpecError(param, reason, exc.code) from None

@@ -14,12 +14,12 @@ from starlette.requests import Request
 
 from actors.messages import EngineRequest
 from serve_app import errors
+from serve_app.access.budgets import reserve_budget
 from serve_app.access.keys import principal_of
-from serve_app.access.limits import reserve_budget
 from serve_app.access.prefix_scope import prefix_namespace
 from serve_app.config.options import ServeConfig
 from serve_app.grammar.reasoning import after_reasoning
-from serve_app.grammar.service import GrammarError
+from serve_app.grammar.spec import GrammarError
 from serve_app.openai.format import ChoiceState, Formatter
 from serve_app.openai.token_text import TokenTexts
 from serve_app.parsers.chat_output import ChoiceParser, ParseOptions
@@ -45,7 +45,7 @@ def client_timeout_s(request: Request, req: Any) -> float | None:
 
 
 @dataclass
-class Job:
+class AdmittedRequest:
     """An admitted request: one engine request per prompt, all validated."""
 
     req: Any
@@ -83,7 +83,7 @@ class Job:
         return Usage.of(prompt_tokens, sum(c.num_tokens for c in choices), sum(cached))
 
 
-class Admission:
+class OpenAIAdmission:
     def __init__(
         self, config: ServeConfig, identity: dict[str, Any], texts: TokenTexts, grammar: Any
     ) -> None:
@@ -93,7 +93,7 @@ class Admission:
         self.texts = texts
         self.grammar = grammar
 
-    async def job(
+    async def admit(
         self,
         req: Any,
         prompts: list[list[int]],
@@ -103,7 +103,7 @@ class Admission:
         echo: list[str],
         request: Request,
         parse: ParseOptions | None = None,
-    ) -> Job:
+    ) -> AdmittedRequest:
         default_max = self.check_lengths(req, prompts, prompt_param)
         default_max = await reserve_budget(request, req, prompts, default_max, prompt_param)
         req.check_common(req.requested_max_tokens() or default_max)
@@ -140,7 +140,9 @@ class Admission:
         ]
         # The engine enforces the deadline; this one only guards against a lost engine.
         deadline = time.monotonic() + timeout_s + 5.0 if timeout_s else None
-        job = Job(req, formatter, engine_requests, echo, params.n, deadline, parse=parse)
+        job = AdmittedRequest(
+            req, formatter, engine_requests, echo, params.n, deadline, parse=parse
+        )
         job.started = time.monotonic()
         return job
 

@@ -14,13 +14,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from actors.outputs import RequestOutput
 from serve_app import errors
+from serve_app.access.budgets import record_usage
 from serve_app.access.keys import principal_of
-from serve_app.access.limits import check_request, record_usage
-from serve_app.backpressure.flow_board import board_name
-from serve_app.backpressure.proxy_flow import flow_header
-from serve_app.backpressure.proxy_flow import is_enabled as proxy_flow_enabled
+from serve_app.access.static_limits import check_request
+from serve_app.backpressure.proxy_hold import flow_header
+from serve_app.backpressure.proxy_hold import is_enabled as proxy_flow_enabled
+from serve_app.backpressure.stalled_streams import board_name
 from serve_app.config.options import ServeConfig
-from serve_app.openai.admission import Admission, Job
+from serve_app.openai.admission import AdmittedRequest, OpenAIAdmission
 from serve_app.openai.request_ids import HEADER as REQUEST_ID_HEADER
 from serve_app.openai.request_ids import RequestIds
 from serve_app.openai.stream import observe_end, record_cancel, stream_sse
@@ -40,7 +41,7 @@ class OpenAIHandlers:
         self.tokenizer = tokenizer
         self.engine = engine.options(stream=True)
         self.texts = TokenTexts(AutoTokenizer.from_pretrained(config.model))
-        self.admission = Admission(config, identity, self.texts, grammar)
+        self.admission = OpenAIAdmission(config, identity, self.texts, grammar)
         # Server-wide admission (draining); runs before any parsing.
         self.admit = admit
         self.request_ids = RequestIds(config.request_id_retention_s)
@@ -80,7 +81,7 @@ class OpenAIHandlers:
             chat_template_kwargs=req.chat_template_kwargs,
         )
         parse = chat_parse_options(req, self.texts.tokenizer.decode(prompt_ids[-PROMPT_TAIL:]))
-        job = await self.admission.job(
+        job = await self.admission.admit(
             req, [prompt_ids], "messages", chat=True, echo=[""], request=request, parse=parse
         )
         job.on_complete = record
@@ -104,7 +105,7 @@ class OpenAIHandlers:
             (p if isinstance(p, str) else self.texts.tokenizer.decode(p)) if req.echo else ""
             for p in prompts
         ]
-        job = await self.admission.job(
+        job = await self.admission.admit(
             req, ids_list, "prompt", chat=False, echo=echo, request=request
         )
         job.on_complete = record
@@ -120,7 +121,7 @@ class OpenAIHandlers:
         return req
 
     # ------------------------------------------------------------------- response
-    async def _respond(self, job: Job, request: Request) -> Response:
+    async def _respond(self, job: AdmittedRequest, request: Request) -> Response:
         headers = {}
         if job.req.stream and proxy_flow_enabled():
             # The proxy pauses this key while the client's socket is full; the engine holds.
@@ -151,7 +152,7 @@ class OpenAIHandlers:
             record_cancel(job)
             raise
 
-    async def _first(self, gen, job: Job, prompt_idx: int) -> RequestOutput:
+    async def _first(self, gen, job: AdmittedRequest, prompt_idx: int) -> RequestOutput:
         """The first output decides the status: a grammar that failed is a 400 here."""
         try:
             out = await gen.__anext__()
@@ -178,7 +179,7 @@ class OpenAIHandlers:
         return out
 
     async def _merge(
-        self, streams: list, firsts: list[RequestOutput], job: Job
+        self, streams: list, firsts: list[RequestOutput], job: AdmittedRequest
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) from every prompt's stream, ending at the deadline."""
         queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
@@ -222,7 +223,7 @@ class OpenAIHandlers:
             for gen in streams:
                 gen.cancel()
 
-    async def _collect(self, merged, job: Job) -> Response:
+    async def _collect(self, merged, job: AdmittedRequest) -> Response:
         choices = job.new_choices()
         cached = [0] * len(job.engine_requests)
         try:

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 
 from actors.outputs import CompletionDelta, RequestOutput
 from serve_app import errors
-from serve_app.access.limits import record_usage
+from serve_app.access.budgets import record_usage
 from serve_app.metrics import record_latency, record_outcome, record_tokens
-from serve_app.openai.admission import Job
+from serve_app.openai.admission import AdmittedRequest
 from serve_app.openai.format import ChoiceState, Formatter
 from serve_app.openai.streaming import StreamState
 from serve_app.protocol import Usage
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 Merged = AsyncIterator[tuple[int, RequestOutput | None]]
 
 
-def observe_end(job: Job, choices: list[ChoiceState], usage: Usage) -> None:
+def observe_end(job: AdmittedRequest, choices: list[ChoiceState], usage: Usage) -> None:
     record_latency("e2e", time.monotonic() - job.started, job.endpoint)
     for c in choices:
         # A slow consumer's abort is counted apart from a client's own cancel, and a grammar's
@@ -41,7 +41,7 @@ def observe_end(job: Job, choices: list[ChoiceState], usage: Usage) -> None:
     record_usage(usage.total_tokens)
 
 
-def record_cancel(job: Job) -> None:
+def record_cancel(job: AdmittedRequest) -> None:
     """The client went away (Serve cancelled the handler): not an error, not a timeout."""
     record_outcome(job.endpoint, "cancelled", "client_disconnect")
     logger.info("request cancelled: endpoint=%s client disconnected", job.endpoint)
@@ -62,7 +62,7 @@ def delta_chunks(
     return []
 
 
-async def stream_sse(merged: Merged, job: Job) -> AsyncIterator[bytes]:
+async def stream_sse(merged: Merged, job: AdmittedRequest) -> AsyncIterator[bytes]:
     """Pull outputs from the merged engine streams and write SSE frames, one request's
     whole stream: role deltas, content, finish chunks, usage, [DONE] (or an error frame)."""
     fmt = job.formatter

@@ -2,7 +2,7 @@
 prefill, got its grammar, produced its first token and finished.
 
 An engine replica keeps the last `CAPACITY` in a `TimelineRing` and hands new ones to its
-stats reporter, which pushes them to the registry (`serve_app.ops.admin`); the registry's
+stats reporter, which pushes them to the registry (`serve_app.ops.stats`); the registry's
 `TimelineIndex` keeps `CAPACITY` per replica, so `GET /admin/v1/requests/{id}` finds a request
 whichever replica ran it. The id is the client-visible `X-Request-Id` (Serve's request id,
 which Serve carries from the ingress into the engine call) or the engine request id.

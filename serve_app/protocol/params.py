@@ -3,16 +3,14 @@ structured-output specs, and the mapping onto the engine's SamplingParams."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from serve_app import errors
 from serve_app.access import client_json
-from serve_app.grammar.schema_admission import admit_choices, admit_schema
-from serve_app.protocol.json_schema import schema_json
+from serve_app.grammar.schema_check import check_choices_carrier, check_schema_carrier
+from serve_app.grammar.spec import GrammarSpec
 
 if TYPE_CHECKING:
     from actors.sampling_params import SamplingParams
@@ -112,7 +110,7 @@ class JsonSchemaFormat(StrictModel):
     @field_validator("schema_")
     @classmethod
     def _admit(cls, schema: dict[str, Any]) -> dict[str, Any]:
-        admit_schema(schema, "response_format.json_schema.schema")
+        check_schema_carrier(schema, "response_format.json_schema.schema")
         return schema
 
 
@@ -142,20 +140,20 @@ class StructuredOutputs(StrictModel):
     def _parse_json(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
         if not isinstance(value, str):
             if value is not None:
-                admit_schema(value, "structured_outputs.json")
+                check_schema_carrier(value, "structured_outputs.json")
             return value
         param = "structured_outputs.json"
         schema = client_json.loads(value, param, syntax_error=errors.invalid_grammar)
         if not isinstance(schema, dict):
             raise errors.invalid_grammar("schema must be a JSON object", "structured_outputs.json")
-        admit_schema(schema, param)
+        check_schema_carrier(schema, param)
         return schema
 
     @field_validator("choice")
     @classmethod
     def _admit_choices(cls, value: list[str] | None) -> list[str] | None:
         if value is not None:
-            admit_choices(value, "structured_outputs.choice")
+            check_choices_carrier(value, "structured_outputs.choice")
         return value
 
     @model_validator(mode="after")
@@ -166,25 +164,21 @@ class StructuredOutputs(StrictModel):
         return self
 
 
-@dataclass(frozen=True)
-class GrammarSpec:
-    """A canonical output constraint; equal specs compile to the same grammar (a cache key).
-
-    `spec` per kind: json_schema -> the schema as canonical compact JSON (keyword order
-    normalised, property order kept: it is the order of the generated keys); json_object -> "";
-    regex / ebnf -> the text as given; choice -> a sorted, de-duplicated JSON list.
-    """
-
-    kind: Literal["json_schema", "json_object", "regex", "ebnf", "choice"]
-    spec: str
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+def response_format_spec(rf: ResponseFormat | None) -> GrammarSpec | None:
+    """`response_format` as a spec (None for text), for every carrier of the OpenAI shape."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return GrammarSpec.json_object()
+    assert rf.json_schema is not None  # ResponseFormat's validator guarantees it
+    return GrammarSpec.json_schema(rf.json_schema.schema_)
 
 
 class SamplingRequest(StrictModel):
     """Fields both endpoints share. None means "not given": defaults apply at conversion."""
+
+    _grammar: GrammarSpec | None = PrivateAttr(default=None)
+    _grammar_built: bool = PrivateAttr(default=False)
 
     model: str = Field(min_length=1)
     n: int | None = Field(None, ge=1, le=MAX_N)
@@ -319,23 +313,28 @@ class SamplingRequest(StrictModel):
             raise errors.invalid_request(message, message.split(" ", 1)[0]) from None
 
     def grammar_spec(self) -> GrammarSpec | None:
+        """The request's output constraint, built once per request (at admission) in its
+        canonical form; None when the output is free text."""
+        if not self._grammar_built:
+            self._grammar, self._grammar_built = self._build_grammar_spec(), True
+        return self._grammar
+
+    def has_grammar(self) -> bool:
+        """Whether the output is constrained, without building the constraint."""
+        rf = self.response_format
+        return self.structured_outputs is not None or (rf is not None and rf.type != "text")
+
+    def _build_grammar_spec(self) -> GrammarSpec | None:
         so = self.structured_outputs
         if so is not None:
             if so.json_ is not None:
-                return GrammarSpec("json_schema", schema_json(so.json_))
+                return GrammarSpec.json_schema(so.json_)
             if so.regex is not None:
-                return GrammarSpec("regex", so.regex)
+                return GrammarSpec.regex(so.regex)
             if so.grammar is not None:
-                return GrammarSpec("ebnf", so.grammar)
-            # The language of a choice does not depend on order or repeats.
-            return GrammarSpec("choice", canonical_json(sorted(set(so.choice or ()))))
-        rf = self.response_format
-        if rf is None or rf.type == "text":
-            return None
-        if rf.type == "json_object":
-            return GrammarSpec("json_object", "")
-        assert rf.json_schema is not None  # ResponseFormat's validator guarantees it
-        return GrammarSpec("json_schema", schema_json(rf.json_schema.schema_))
+                return GrammarSpec.ebnf(so.grammar)
+            return GrammarSpec.choice(so.choice or [])
+        return response_format_spec(self.response_format)
 
     def grammar_param(self) -> str | None:
         """Where the grammar came from, for an `invalid_grammar` error's `param`."""

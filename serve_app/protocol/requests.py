@@ -7,11 +7,11 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from serve_app import errors
+from serve_app.grammar.spec import GrammarSpec
 from serve_app.protocol.params import (
     MAX_COMPLETION_LOGPROBS,
     MAX_PROMPTS,
     MAX_TOP_LOGPROBS,
-    GrammarSpec,
     SamplingRequest,
     StrictModel,
     apply_parameter_policy,
@@ -198,7 +198,7 @@ class ChatCompletionRequest(SamplingRequest):
             if exc.code == "request_limit_exceeded":  # the reason is the whole message
                 raise errors.APIError(400, exc.code, exc.reason, param=exc.param) from None
             raise errors.invalid_request(message, exc.param) from None
-        if self.tool_choice_mode in ("required", "named") and super().grammar_spec():
+        if self.tool_choice_mode in ("required", "named") and super().has_grammar():
             raise errors.invalid_request(
                 "'tool_choice' that forces a call cannot be combined with 'response_format' "
                 "or 'structured_outputs'.",
@@ -213,7 +213,7 @@ class ChatCompletionRequest(SamplingRequest):
                 "'strict_thinking' needs thinking enabled (chat_template_kwargs.enable_thinking).",
                 "strict_thinking",
             )
-        if self.grammar_spec() is None:
+        if not self.has_grammar():
             raise errors.invalid_request(
                 "'strict_thinking' applies to a constrained answer: give 'response_format', "
                 "'structured_outputs', or a 'tool_choice' that forces a call.",
@@ -238,13 +238,15 @@ class ChatCompletionRequest(SamplingRequest):
         value = (self.chat_template_kwargs or {}).get("enable_thinking")
         return value if isinstance(value, bool) else None
 
-    def grammar_spec(self) -> GrammarSpec | None:
+    def has_grammar(self) -> bool:
+        return self.tool_choice_mode in ("required", "named") or super().has_grammar()
+
+    def _build_grammar_spec(self) -> GrammarSpec | None:
         if self.tool_choice_mode in ("required", "named"):
             from serve_app.grammar.tools import tool_call_grammar
 
-            spec = tool_call_grammar(self.tools, self.tool_choice, self.parallel_tool_calls)
-            return GrammarSpec("ebnf", spec.spec) if spec is not None else None
-        return super().grammar_spec()
+            return tool_call_grammar(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return super()._build_grammar_spec()
 
     def grammar_param(self) -> str | None:
         if self.tool_choice_mode in ("required", "named"):

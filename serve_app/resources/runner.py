@@ -17,16 +17,14 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from actors.messages import EngineRequest
-from actors.sampling_params import SamplingParams
 from serve_app.config.profiles import GenerationOptions
 from serve_app.metrics import record_latency, record_outcome, record_tokens
-from serve_app.protocol.params import GrammarSpec
-from serve_app.resources.live import Event, Live
+from serve_app.resources.admitted import AdmittedGeneration
 from serve_app.resources.resource import (
     UNFINISHED,
     Outcome,
@@ -34,10 +32,9 @@ from serve_app.resources.resource import (
     settle,
     usage,
 )
+from serve_app.resources.running import Event, RunningGeneration
 from serve_app.store.base import (
-    ConversationTurn,
     GenerationRecord,
-    IdempotencyKey,
     InsertOutcome,
     InsertResult,
     Store,
@@ -50,32 +47,6 @@ logger = logging.getLogger(__name__)
 ENGINE_SILENCE_GRACE_S = 10.0
 # How often a running generation checks the store for a cancel written by another process.
 STORE_WATCH_PERIOD_S = 2.0
-
-
-@dataclass
-class Plan:
-    """An admitted generation: everything decided before it is recorded."""
-
-    record: GenerationRecord  # status queued
-    prompt_ids: list[int]
-    params: SamplingParams
-    grammar: GrammarSpec | None
-    output_format: str
-    schema: dict[str, Any] | None  # the named schema (without the refusal branch)
-    deadline: float  # time.time() by which the engine must have ended it
-    idempotency: IdempotencyKey | None = None
-    turn: ConversationTurn | None = None
-    turn_messages: list[dict[str, Any]] = field(default_factory=list)
-    # Called once when the generation ends (or is never created) with the tokens it used:
-    # settles the key's budget reservation.
-    on_end: Callable[[int], None] | None = None
-    # The engine's prefix-cache namespace, derived from the authenticated tenant.
-    cache_namespace: str = ""
-
-    def end(self, num_tokens: int) -> None:
-        on_end, self.on_end = self.on_end, None
-        if on_end is not None:
-            on_end(num_tokens)
 
 
 @dataclass
@@ -103,15 +74,17 @@ class GenerationRunner:
         self.options = options
         self.owner = owner
         self.render = render
-        self.live: dict[str, Live] = {}
+        self.live: dict[str, RunningGeneration] = {}
         self.watch_period_s = STORE_WATCH_PERIOD_S
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ requests
 
-    async def submit(self, plan: Plan, *, subscribe: bool) -> tuple[InsertResult, Live]:
+    async def submit(
+        self, plan: AdmittedGeneration, *, subscribe: bool
+    ) -> tuple[InsertResult, RunningGeneration]:
         """Record the generation and start it; returns once the insert has committed."""
-        live = Live(plan)
+        live = RunningGeneration(plan)
         if subscribe:
             live.subscribe()
         admitted: asyncio.Future[InsertResult] = asyncio.get_running_loop().create_future()
@@ -143,7 +116,7 @@ class GenerationRunner:
 
     # ------------------------------------------------------------------- one run
 
-    async def _run(self, live: Live, admitted: asyncio.Future[InsertResult]) -> None:
+    async def _run(self, live: RunningGeneration, admitted: asyncio.Future[InsertResult]) -> None:
         plan = live.plan
         try:
             result = await asyncio.to_thread(
@@ -172,7 +145,7 @@ class GenerationRunner:
         live.finish(final, self.render(final))
         observe_end(final, time.time() - plan.record.created_at)
 
-    async def _execute(self, live: Live) -> GenerationRecord:
+    async def _execute(self, live: RunningGeneration) -> GenerationRecord:
         plan = live.plan
         now = time.time()
         record = plan.record
@@ -194,7 +167,7 @@ class GenerationRunner:
                 watcher.cancel()
         return await self._save(live, self._outcome(live, progress), progress)
 
-    async def _watch_store(self, live: Live) -> None:
+    async def _watch_store(self, live: RunningGeneration) -> None:
         """Stop the work once its record ended elsewhere (a cancel that reached another
         ingress replica, which can only write the store)."""
         record = live.plan.record
@@ -205,7 +178,7 @@ class GenerationRunner:
                 live.request_cancel()
                 return
 
-    async def _generate(self, live: Live, progress: Progress) -> None:
+    async def _generate(self, live: RunningGeneration, progress: Progress) -> None:
         plan = live.plan
         box = None
         if plan.grammar is not None:
@@ -242,7 +215,7 @@ class GenerationRunner:
             logger.error("engine stream of %s failed: %s", plan.record.id, type(exc).__name__)
             progress.error = ("engine_lost", f"the engine was lost ({type(exc).__name__})")
 
-    def _absorb(self, live: Live, progress: Progress, out: Any) -> bool:
+    def _absorb(self, live: RunningGeneration, progress: Progress, out: Any) -> bool:
         """Take one engine output; True when the generation has ended."""
         if out.error is not None:
             progress.error = (out.error_code or "engine_error", out.error)
@@ -257,7 +230,7 @@ class GenerationRunner:
                 live.publish(self._delta_event(live, progress, delta.text))
         return bool(out.finished)
 
-    def _delta_event(self, live: Live, progress: Progress, text: str) -> Event:
+    def _delta_event(self, live: RunningGeneration, progress: Progress, text: str) -> Event:
         plan = live.plan
         tokens = usage(len(plan.prompt_ids), progress.num_tokens, 0, "provisional")
         return Event(
@@ -270,7 +243,7 @@ class GenerationRunner:
             },
         )
 
-    def _outcome(self, live: Live, progress: Progress) -> Outcome:
+    def _outcome(self, live: RunningGeneration, progress: Progress) -> Outcome:
         if progress.error is not None:
             return failed(*progress.error)
         # Completion wins the race: a cancel that arrives after the last token changes nothing.
@@ -283,7 +256,9 @@ class GenerationRunner:
             cancelled=cancelled,
         )
 
-    async def _save(self, live: Live, outcome: Outcome, progress: Progress) -> GenerationRecord:
+    async def _save(
+        self, live: RunningGeneration, outcome: Outcome, progress: Progress
+    ) -> GenerationRecord:
         plan = live.plan
         tokens = usage(
             len(plan.prompt_ids), progress.num_tokens, progress.num_cached_tokens, "final"

@@ -26,7 +26,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 Clock = Callable[[], float]
@@ -204,21 +203,6 @@ def conversation_from_row(row: tuple[Any, ...]) -> ConversationRecord:
     )
 
 
-def open_store(url: str | None, data_dir: str | Path, clock: Clock = time.time) -> Store:
-    """`None` or `sqlite:///PATH` -> SQLiteStore (default: DATA_DIR/serve-app.sqlite3);
-    `postgresql://...` -> PostgresStore."""
-    if url is None or url.startswith("sqlite:///"):
-        from serve_app.store.sqlite import SQLiteStore
-
-        default = Path(data_dir).expanduser() / "serve-app.sqlite3"
-        return SQLiteStore(default if url is None else url.removeprefix("sqlite:///"), clock)
-    if url.startswith(("postgresql://", "postgres://")):
-        from serve_app.store.postgres import PostgresStore  # type: ignore[import-not-found]
-
-        return PostgresStore(url, clock)
-    raise ValueError(f"store: unsupported URL scheme in {url!r} (sqlite:/// or postgresql://)")
-
-
 __all__ = [
     "ConversationRecord",
     "ConversationTurn",
@@ -229,5 +213,4 @@ __all__ = [
     "Store",
     "TERMINAL_STATUSES",
     "TurnAppend",
-    "open_store",
 ]

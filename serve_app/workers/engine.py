@@ -16,10 +16,10 @@ from actors.messages import EngineRequest
 from actors.outputs import RequestOutput
 from actors.platform import describe, resolve_dtype
 from actors.torch_thread import favour_step_thread
-from serve_app.backpressure.flow_board import FlowGate
+from serve_app.backpressure.stalled_streams import StallWatcher
 from serve_app.config.options import ServeConfig
 from serve_app.metrics import record_engine_gauges, record_latency
-from serve_app.ops.admin import StatsReporter
+from serve_app.ops.stats import StatsReporter
 from serve_app.ops.timelines import TimelineRing
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class EngineService:
             e.hold_timeout_s,
             step_delay_s=e.step_delay_s,
         )
-        self.flow = FlowGate(config.model_id, self.engine.pause_reader)
+        self.flow = StallWatcher(config.model_id, self.engine.pause_reader)
         self.replica_id = _replica_id()
         self.timelines = TimelineRing(self.replica_id)
         self.reporter = StatsReporter(

@@ -18,7 +18,7 @@ from serve_app.grammar.schema_limits import (
 from serve_app.grammar.schema_subset import SchemaRefused, check_schema_subset
 
 
-def admit_schema(schema: Any, param: str, limits: SchemaLimits | None = None) -> None:
+def check_schema_carrier(schema: Any, param: str, limits: SchemaLimits | None = None) -> None:
     try:
         check_schema_limits(schema, limits or schema_limits())
         check_schema_subset(schema)
@@ -28,7 +28,9 @@ def admit_schema(schema: Any, param: str, limits: SchemaLimits | None = None) ->
         raise errors.invalid_grammar(exc.reason, param) from None
 
 
-def admit_choices(choices: list[Any], param: str, limits: SchemaLimits | None = None) -> None:
+def check_choices_carrier(
+    choices: list[Any], param: str, limits: SchemaLimits | None = None
+) -> None:
     try:
         check_choice_limits(choices, limits or schema_limits())
     except SchemaLimitExceeded as exc:

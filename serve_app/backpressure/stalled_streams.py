@@ -1,6 +1,6 @@
 """Which streamed responses' clients stopped reading, shared by proxies and engine replicas.
 
-Proxies write to the board (`serve_app.backpressure.proxy_flow`): `pause(key)` while a write
+Proxies write to the board (`serve_app.backpressure.proxy_hold`): `pause(key)` while a write
 to the client is stuck, `resume(key)` once it went through. Engine replicas long-poll it
 (`watch`) and hold the requests of paused keys. A pause is a lease: a proxy that died
 mid-stall stops renewing it, and the key resumes within `LEASE_S` plus one watch period.
@@ -31,7 +31,7 @@ def board_name(app_id: str) -> str:
     return f"flow:{app_id}"
 
 
-class FlowBoard:
+class StalledStreams:
     def __init__(self, lease_s: float = LEASE_S):
         self.lease_s = lease_s
         self._paused: dict[str, float] = {}  # flow key -> lease end (monotonic)
@@ -78,11 +78,11 @@ class FlowBoard:
         self._changed = asyncio.Event()
 
 
-def get_or_create_board(app_id: str) -> Any:
-    return get_or_create(FlowBoard, board_name(app_id), BOARD_NAMESPACE)
+def get_or_create_stalled_streams(app_id: str) -> Any:
+    return get_or_create(StalledStreams, board_name(app_id), BOARD_NAMESPACE)
 
 
-class FlowGate:
+class StallWatcher:
     """An engine replica's side of the board: tracks the flow keys of its live requests and
     calls `set_paused(engine_request_id, paused)` as the board pauses and resumes them.
     It watches the board from its first tracked key until `stop` (one long poll per
@@ -129,7 +129,9 @@ class FlowGate:
         while True:
             try:
                 if self._board is None:
-                    self._board = await asyncio.to_thread(get_or_create_board, self.app_id)
+                    self._board = await asyncio.to_thread(
+                        get_or_create_stalled_streams, self.app_id
+                    )
                 version, keys = await self._board.watch.remote(version, WATCH_S)
                 self.apply(set(keys))
             except asyncio.CancelledError:

@@ -4,11 +4,11 @@ Serve 2.60's proxy reads every replica stream eagerly and has no backpressure to
 replica, so a client that stops reading is invisible to the ingress and to the engine. The
 one place that sees it is the proxy's own socket write: uvicorn's `send` waits while the
 connection's write buffer is over its high-water mark (64 KiB, after the kernel's socket
-buffers are full). `ProxyFlowMiddleware` runs inside the proxy, installed through Serve's
+buffers are full). `ProxyHoldMiddleware` runs inside the proxy, installed through Serve's
 `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` hook, and times those writes:
 
 - a body write still waiting after `STALL_S` pauses the response's flow key on its board
-  (`serve_app.backpressure.flow_board`), and keeps re-asserting it every `HEARTBEAT_S` while
+  (`serve_app.backpressure.stalled_streams`), and keeps re-asserting it every `HEARTBEAT_S` while
   it waits;
 - the write completing resumes the key.
 
@@ -32,7 +32,7 @@ from urllib.parse import quote, unquote
 logger = logging.getLogger(__name__)
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-CALLBACK_PATH = "serve_app.backpressure.proxy_flow.proxy_middlewares"
+CALLBACK_PATH = "serve_app.backpressure.proxy_hold.proxy_middlewares"
 FLOW_HEADER = "x-serve-app-flow"
 # Logged once per deploy (by the ingress; by `serve-app serve` too) where the head lacks it.
 MISSING_HOOK_WARNING = (
@@ -64,7 +64,7 @@ def proxy_middlewares() -> list[Any]:
 
     from serve_app.access.proxy_keys import RoutesGuard
 
-    return [Middleware(ProxyFlowMiddleware), Middleware(RoutesGuard)]
+    return [Middleware(ProxyHoldMiddleware), Middleware(RoutesGuard)]
 
 
 def flow_header(board: str, key: str) -> tuple[str, str]:
@@ -72,7 +72,7 @@ def flow_header(board: str, key: str) -> tuple[str, str]:
     return FLOW_HEADER, f"{quote(board, safe='')} {key}"
 
 
-class ProxyFlowMiddleware:
+class ProxyHoldMiddleware:
     def __init__(self, app: Any):
         self.app = app
         self._boards: dict[str, Any] = {}
@@ -113,7 +113,7 @@ class ProxyFlowMiddleware:
 def _lookup_board(board: str) -> Any:
     import ray
 
-    from serve_app.backpressure.flow_board import BOARD_NAMESPACE
+    from serve_app.backpressure.stalled_streams import BOARD_NAMESPACE
 
     return ray.get_actor(board, namespace=BOARD_NAMESPACE)
 
@@ -139,7 +139,7 @@ def _bound_buffers(send: Any) -> None:
 class _ResponseFlow:
     """One response's writes: finds its flow key, and pauses it while a write is stuck."""
 
-    def __init__(self, middleware: ProxyFlowMiddleware, send: Any):
+    def __init__(self, middleware: ProxyHoldMiddleware, send: Any):
         self._middleware = middleware
         self._send = send
         self._board: str | None = None

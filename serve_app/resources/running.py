@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from serve_app.resources.admitted import AdmittedGeneration
 from serve_app.store.base import GenerationRecord
-
-if TYPE_CHECKING:
-    from serve_app.resources.runner import Plan
 
 # Output events a stream reader may fall behind by before it is detached.
 SUBSCRIBER_LIMIT = 256
@@ -45,10 +43,10 @@ class Subscriber:
         self.queue.put_nowait(final)
 
 
-class Live:
+class RunningGeneration:
     """A generation running in this process."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: AdmittedGeneration) -> None:
         self.plan = plan
         self.done: asyncio.Future[GenerationRecord] = asyncio.get_running_loop().create_future()
         self.subscribers: list[Subscriber] = []

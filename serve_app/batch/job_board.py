@@ -85,7 +85,7 @@ class JobBoard:
 
 
 @dataclass
-class BoardClient:
+class JobBoardClient:
     """An engine's side of the board: counts since the last post, posted at most every
     REPORT_INTERVAL_S without waiting for the answer (read at a later tick), or at once and
     waited for when forced; remembers a stop once seen (and when it saw it)."""
