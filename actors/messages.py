@@ -7,10 +7,12 @@ prompt) travel once, in `new_seqs`, and workers keep them until `finished_seq_id
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from actors.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

@@ -9,7 +9,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
-from actors.ray_executor import cluster_has_gpus, rank_bundles
+from actors.executor.ray_tp import cluster_has_gpus, rank_bundles
 from serve_app import ray_env
 from serve_app.checkpoints.chat_templates import renders_tools, resolve_chat_template
 from serve_app.checkpoints.identity import artifact_identity

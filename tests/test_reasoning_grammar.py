@@ -10,7 +10,7 @@ import pytest
 import xgrammar as xgr
 from grammar_fixtures import accepts, compile_spec
 
-from serve_app.grammar.reasoning import after_reasoning, constraint_ebnf
+from serve_app.grammar.convert import spec_ebnf
 from serve_app.grammar.spec import GrammarError, GrammarSpec
 from serve_app.grammar.tools import CALL_PREFIX, tool_call_grammar
 
@@ -27,9 +27,9 @@ CASES = [
 
 
 def wrapped(service, spec: GrammarSpec, **options):
-    out = after_reasoning(spec, **options)
-    assert out.kind == "ebnf"
-    return compile_spec(service, out.kind, out.spec)  # the grammar service compiles it as is
+    out = GrammarSpec.after_reasoning(spec, **options)
+    assert out.kind == "after_reasoning"
+    return compile_spec(service, out.kind, out.spec)  # the grammar service converts it
 
 
 @pytest.mark.parametrize(("kind", "spec", "good", "bad"), CASES)
@@ -97,9 +97,12 @@ def test_the_end_of_turn_token_is_a_stop_token_never_text(service, engine_cache,
     ("kind", "spec"),
     [("regex", "[a-"), ("json_schema", '{"type": "nonsense"}'), ("ebnf", "root ::= ")],
 )
-def test_a_constraint_that_does_not_convert_is_a_grammar_error(kind, spec):
+def test_a_constraint_that_does_not_convert_is_a_grammar_error(service, kind, spec):
     with pytest.raises(GrammarError):
-        constraint_ebnf(kind, spec)
+        spec_ebnf(kind, spec)
+    with pytest.raises(GrammarError) as caught:  # wrapped, it is refused by the service
+        wrapped(service, GrammarSpec(kind, spec))
+    assert caught.value.code == "invalid_grammar"
 
 
 # ------------------------------------------------------------------ strict thinking

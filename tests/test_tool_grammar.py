@@ -91,8 +91,8 @@ def test_grammar_admits_only_well_formed_calls_to_allowed_tools(service, engine_
     tool_choice = NAMED_ADD if choice == "named" else choice
     validate_tools(TOOLS, tool_choice, parallel)
     spec = tool_call_grammar(TOOLS, tool_choice, parallel, allow_reasoning=allow_reasoning)
-    assert spec is not None and spec.kind == "ebnf"
-    payload = compile_spec(service, spec.kind, spec.spec)  # the existing service compiles it
+    assert spec is not None and spec.kind == "tool_calls"
+    payload = compile_spec(service, spec.kind, spec.spec)  # the grammar service converts it
     admitted, refused = GRAMMAR_CASES[case]
     for text in admitted:
         assert accepts(engine_cache, payload, text), text

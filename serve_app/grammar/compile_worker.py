@@ -29,17 +29,15 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from serve_app.grammar.spec import GrammarError
+
 # xgrammar's log lines: "[hh:mm:ss] /path/file.cc:NN: Warning: text".
 _WARNING = re.compile(r"\.cc:\d+: Warning: (.*)")
-# NOTE: xgrammar 0.2.9 lets raw control characters into length-bounded JSON strings (invalid
-# JSON). Its printed EBNF is patched to the character class its other JSON strings use.
-BOUNDED_CHAR = r"[^\"\\\r\n]"
-JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 @dataclass(frozen=True)
 class CompileJob:
-    kind: str  # json_schema | json_object | regex | ebnf | choice
+    kind: str  # a GrammarSpec kind (serve_app.grammar.spec)
     canonical: str
     delay_s: float = 0.0  # fault injection: the compile takes this much longer
 
@@ -52,22 +50,13 @@ class CompileResult:
 
 def compile_serialized(compiler: Any, kind: str, canonical: str) -> str:
     """The grammar for a canonical spec, as `serialize_json()` text."""
-    import xgrammar as xgr
+    if kind == "regex":
+        return compiler.compile_regex(canonical).serialize_json()
+    if kind == "ebnf":
+        return compiler.compile_grammar(canonical).serialize_json()
+    from serve_app.grammar.convert import spec_ebnf
 
-    if kind in ("json_schema", "json_object"):
-        # No free whitespace: a weak model could otherwise emit it until max_tokens.
-        # json_object is not strict: it admits any properties.
-        options = {"any_whitespace": False, "strict_mode": kind == "json_schema"}
-        ebnf = str(xgr.Grammar.from_json_schema(canonical, **options))
-        compiled = compiler.compile_grammar(ebnf.replace(BOUNDED_CHAR, JSON_STRING_CHAR))
-    elif kind == "regex":
-        compiled = compiler.compile_regex(canonical)
-    elif kind == "ebnf":
-        compiled = compiler.compile_grammar(canonical)
-    else:  # choice: JSON string escapes are valid EBNF string-literal escapes in xgrammar
-        ebnf = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(canonical))
-        compiled = compiler.compile_grammar(f"root ::= {ebnf}")
-    return compiled.serialize_json()
+    return compiler.compile_grammar(spec_ebnf(kind, canonical)).serialize_json()
 
 
 def run_job(compiler: Any, job: CompileJob) -> CompileResult:
@@ -81,7 +70,7 @@ def run_job(compiler: Any, job: CompileJob) -> CompileResult:
         try:
             serialized = compile_serialized(compiler, job.kind, job.canonical)
             error = ""
-        except (RuntimeError, ValueError, TypeError) as exc:  # what xgrammar raises
+        except (RuntimeError, ValueError, TypeError, GrammarError) as exc:  # xgrammar's, ours
             serialized, error = None, str(exc) or type(exc).__name__
         finally:
             os.dup2(saved, 2)

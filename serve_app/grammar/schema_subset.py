@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import unquote
 
 # fmt: off
 ANNOTATIONS = frozenset({
@@ -116,6 +117,7 @@ def check_schema_subset(schema: Any) -> None:
     for node, pointer in _subschemas(schema):
         if isinstance(node, dict):
             _check_node(node, pointer, is_root=pointer == "")
+            _check_ref_target(schema, node, pointer)
 
 
 def _subschemas(schema: Any) -> Iterator[tuple[Any, str]]:
@@ -170,6 +172,22 @@ def _check_ref(node: dict[str, Any], pointer: str) -> None:
         )
 
 
+def _check_ref_target(root: Any, node: dict[str, Any], pointer: str) -> None:
+    """A local `$ref` must name a part of this schema (a JSON pointer that resolves)."""
+    ref = node.get("$ref")
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return
+    target = root
+    for token in ref[2:].split("/"):
+        name = unquote(token).replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and name in target:
+            target = target[name]
+        elif isinstance(target, list) and name.isdigit() and int(name) < len(target):
+            target = target[int(name)]
+        else:
+            raise SchemaRefused(f"$ref {ref[:200]!r} does not resolve in this schema", pointer)
+
+
 def _check_combinators(node: dict[str, Any], pointer: str) -> None:
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise SchemaRefused("'allOf' with more than one subschema is not enforced", pointer)
@@ -187,8 +205,17 @@ def _check_combinators(node: dict[str, Any], pointer: str) -> None:
         )
 
 
+JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
+
+
 def _check_types(node: dict[str, Any], pointer: str) -> None:
     types = _types(node)
+    unknown = sorted(types - JSON_TYPES) if types is not None else []
+    if unknown or (types is not None and not types):
+        # Refused here, where the request is checked: a schema xgrammar cannot convert must
+        # not wait for the grammar deployment (tool parameters under `auto` never compile).
+        name = unknown[0] if unknown else node.get("type")
+        raise SchemaRefused(f"'type' {name!r:.60} is not a JSON Schema type", pointer)
     for keyword in node:
         if keyword not in _ALL_TYPED:
             continue

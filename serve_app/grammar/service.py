@@ -36,13 +36,12 @@ from serve_app.grammar.compile_pool import (
     PoolJob,
     PoolSaturated,
 )
-from serve_app.grammar.compile_worker import BOUNDED_CHAR as _BOUNDED_CHAR
-from serve_app.grammar.compile_worker import JSON_STRING_CHAR as _JSON_STRING_CHAR
 from serve_app.grammar.compile_worker import CompileJob
 from serve_app.grammar.schema_limits import SchemaLimits
 from serve_app.grammar.schema_subset import SUPPORTED_JSON_SCHEMA
 from serve_app.grammar.spec import (
     GRAMMAR_KINDS,
+    STRUCTURAL_KINDS,
     GrammarError,
     GrammarSpec,
     check_spec,
@@ -62,8 +61,8 @@ COMPILER_ID = (
 # timeout for a while (a machine that was overloaded then may compile it in time later).
 MAX_REFUSALS = 1024
 TIMEOUT_REFUSAL_TTL_S = 600.0
-# Re-exported: the JSON-string patch (tool grammars) and the subset /v1/server_info lists.
-__all__ = ["SUPPORTED_JSON_SCHEMA", "_BOUNDED_CHAR", "_JSON_STRING_CHAR"]
+# Re-exported: the subset /v1/server_info lists.
+__all__ = ["SUPPORTED_JSON_SCHEMA"]
 
 _COUNTERS = (
     "compiles", "cache_hits", "cache_misses", "inflight_joins", "timeouts", "errors", "overloaded"
@@ -177,7 +176,8 @@ class GrammarService:
             key = self.cache_key(kind, canonical)
             serialized, pool_job = self._lookup(key, kind, canonical)
         except GrammarError as exc:
-            label = spec.kind if spec.kind in GRAMMAR_KINDS else "unknown"  # bounded labels
+            known = spec.kind in GRAMMAR_KINDS + STRUCTURAL_KINDS
+            label = spec.kind if known else "unknown"  # bounded labels
             self._record(label, started, hit=False, outcome=_outcome(exc))
             raise
         if serialized is not None:

@@ -8,7 +8,11 @@ canonical text, and the engine enforces it. No other module canonicalises a spec
 Canonical text per kind: json_schema -> compact JSON with keyword order normalised (property
 order and the key order inside enum/const values kept: they are the order of the generated
 text); json_object -> "" (compiled as `{"type":"object"}`); choice -> a sorted, de-duplicated
-JSON list; regex / ebnf -> the text as given. Light to import: no xgrammar, no torch.
+JSON list; regex / ebnf -> the text as given; tool_calls -> {"functions": [[name, canonical
+parameters or null], ...], "only_one", "allow_reasoning"}; after_reasoning -> {"inner": [kind,
+text], "strict", "starts_in_reasoning"}. Light to import: no xgrammar (which imports torch),
+so the ingress builds specs and only the grammar deployment converts and compiles them
+(`serve_app.grammar.convert`).
 """
 
 from __future__ import annotations
@@ -18,12 +22,18 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from serve_app.grammar.json_schema import schema_json
+from serve_app.grammar.json_schema import canonical_schema, schema_json
 from serve_app.grammar.schema_limits import SchemaLimitExceeded, SchemaLimits, measure_schema
 from serve_app.grammar.schema_subset import SchemaRefused, check_schema_subset
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "choice"]
+GrammarKind = Literal[
+    "json_schema", "json_object", "regex", "ebnf", "choice", "tool_calls", "after_reasoning"
+]
+# What clients may ask for (response_format, structured_outputs, a batch row's column).
 GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "ebnf", "choice")
+# What the server builds from other fields: `tool_choice` that forces calls, and any
+# constraint moved after the reasoning span. Converted to EBNF in the compile workers.
+STRUCTURAL_KINDS: tuple[str, ...] = ("tool_calls", "after_reasoning")
 MAX_REASON_CHARS = 500
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:NN: ".
 _LOG_PREFIX = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\]\s+\S+?:\d+:\s*")
@@ -88,6 +98,37 @@ class GrammarSpec:
         return spec
 
     @classmethod
+    def tool_calls(
+        cls,
+        functions: list[tuple[str, dict[str, Any] | None]],
+        *,
+        only_one: bool,
+        allow_reasoning: bool = False,
+    ) -> GrammarSpec:
+        """One or more calls among (name, parameters) functions (exactly one: `only_one`),
+        in the chat template's form; `allow_reasoning`: an optional `<think>` block first."""
+        body = {
+            "functions": [[name, _canonical_or_none(params)] for name, params in functions],
+            "only_one": only_one,
+            "allow_reasoning": allow_reasoning,
+        }
+        return cls("tool_calls", _compact(body))
+
+    @classmethod
+    def after_reasoning(
+        cls, inner: GrammarSpec, *, strict: bool = False, starts_in_reasoning: bool = False
+    ) -> GrammarSpec:
+        """`inner` applied after a `<think>...</think>` block of free text and the template's
+        `\\n\\n`: optional; required with `strict`; already open with `starts_in_reasoning`
+        (the prompt ends inside it). The block admits any text but a nested `<think>`."""
+        body = {
+            "inner": [inner.kind, inner.spec],
+            "strict": strict,
+            "starts_in_reasoning": starts_in_reasoning,
+        }
+        return cls("after_reasoning", _compact(body))
+
+    @classmethod
     def regex(cls, pattern: str) -> GrammarSpec:
         return cls("regex", pattern)
 
@@ -112,10 +153,11 @@ def check_schema(schema: Any, limits: SchemaLimits | None = None) -> None:
         raise GrammarError("JSON schema nests too deeply") from None
 
 
-def check_spec(spec: GrammarSpec, limits: SchemaLimits) -> None:
+def check_spec(spec: GrammarSpec, limits: SchemaLimits, *, nested: bool = False) -> None:
     """The service's check of a spec from any caller: a known kind, a non-empty text where
-    the kind needs one, and a schema or choice list within `limits` and the subset."""
-    if spec.kind not in GRAMMAR_KINDS:
+    the kind needs one, and every schema or choice list in it within `limits` and the subset."""
+    kinds = GRAMMAR_KINDS + STRUCTURAL_KINDS
+    if spec.kind not in kinds or (nested and spec.kind == "after_reasoning"):
         names = ", ".join(GRAMMAR_KINDS)
         raise GrammarError(f"unsupported grammar kind {spec.kind!r}; expected one of {names}")
     if spec.kind == "json_object":
@@ -129,6 +171,34 @@ def check_spec(spec: GrammarSpec, limits: SchemaLimits) -> None:
         if count > limits.max_nodes:
             reason = f"{count} choices; the limit max_schema_nodes allows {limits.max_nodes}"
             raise GrammarError(reason, "request_limit_exceeded")
+    elif spec.kind in STRUCTURAL_KINDS:
+        _check_structural(spec, limits)
+
+
+def _check_structural(spec: GrammarSpec, limits: SchemaLimits) -> None:
+    try:
+        body = json.loads(spec.spec)
+        if spec.kind == "tool_calls":
+            functions = body["functions"]
+            if not functions or not all(isinstance(f[0], str) for f in functions):
+                raise GrammarError("a tool_calls grammar needs named functions")
+            for _, parameters in functions:
+                if parameters is not None:
+                    check_schema(parameters, limits)
+        else:
+            inner_kind, inner_text = body["inner"]
+            check_spec(GrammarSpec(inner_kind, inner_text), limits, nested=True)
+    except (ValueError, KeyError, TypeError, IndexError):
+        raise GrammarError(f"malformed {spec.kind} spec") from None
+
+
+def _canonical_or_none(schema: dict[str, Any] | None) -> Any:
+    return None if schema is None else canonical_schema(schema)
+
+
+def _compact(value: Any) -> str:
+    # Key order as built (never sorted: property order is the order of the generated text).
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _parse_schema(text: str) -> dict[str, Any] | bool:
@@ -155,4 +225,4 @@ def _parse_choices(text: str) -> list[str]:
 
 def _choices_json(choices: list[str]) -> str:
     # Alternation order and duplicates do not change the language.
-    return json.dumps(sorted(set(choices)), ensure_ascii=False, separators=(",", ":"))
+    return _compact(sorted(set(choices)))

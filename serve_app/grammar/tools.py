@@ -9,11 +9,12 @@ separated by one newline, the arguments valid against that tool's `parameters` s
 `parallel_tool_calls: false` and a named function allow exactly one call. `auto` and `none`
 need no grammar: under `auto` the tool parser validates what the model chose to emit.
 
-Each tool's arguments grammar is what `GrammarService` builds for a `json_schema` spec (no free
-whitespace, so a weak model cannot pad until max_tokens; strict: unlisted properties rejected;
-the same string-character patch). The calls around them are an xgrammar structural tag
-(`tags_with_separator`) printed as EBNF, so the result is an ordinary `GrammarSpec("ebnf", ...)`
-that the existing service compiles and caches: no new grammar kind is needed.
+Each tool's arguments grammar is what the grammar service builds for a `json_schema` spec (no
+free whitespace, so a weak model cannot pad until max_tokens; strict: unlisted properties
+rejected; the same string-character patch). The calls around them are an xgrammar structural
+tag (`tags_with_separator`). This module only validates and builds the `tool_calls` spec; the
+compile workers convert it (`serve_app.grammar.convert`), so the ingress never imports
+xgrammar.
 
 Names are limited to OpenAI's `[A-Za-z0-9_-]{1,64}`, so they splice into the grammar unescaped.
 Missing `parameters` means no arguments (`{}`), as OpenAI defines it; `strict` is ignored:
@@ -22,32 +23,16 @@ arguments are always enforced.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import xgrammar as xgr
-from xgrammar.structural_tag import (
-    AnyTextFormat,
-    ConstStringFormat,
-    GrammarFormat,
-    OptionalFormat,
-    SequenceFormat,
-    StructuralTag,
-    TagFormat,
-    TagsWithSeparatorFormat,
-)
-
 from serve_app.errors import APIError
 
 # The JSON-string patch lives with GrammarService; both must emit the same JSON strings.
-from serve_app.grammar.compile_worker import BOUNDED_CHAR as _BOUNDED_CHAR
-from serve_app.grammar.compile_worker import JSON_STRING_CHAR as _JSON_STRING_CHAR
 from serve_app.grammar.schema_check import check_schema_carrier
 from serve_app.grammar.schema_subset import COMBINATORS
-from serve_app.grammar.spec import GrammarError, GrammarSpec, check_schema, clean_reason
-from serve_app.parsers.reasoning import THINK_CLOSE, THINK_OPEN
+from serve_app.grammar.spec import GrammarSpec
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CALL_PREFIX = '<tool_call>\n{"name": "'
@@ -126,39 +111,11 @@ def tool_call_grammar(
     functions = [tool["function"] for tool in tools]
     if forced is not None:
         functions = [f for f in functions if f["name"] == forced]
-    tag = tool_call_structural_tag(
+    return GrammarSpec.tool_calls(
         [(f["name"], f.get("parameters")) for f in functions],
         only_one=forced is not None or parallel_tool_calls is False,
         allow_reasoning=allow_reasoning,
     )
-    return GrammarSpec("ebnf", str(xgr.Grammar.from_structural_tag(tag)))
-
-
-def tool_call_structural_tag(
-    functions: Sequence[tuple[str, Mapping[str, Any] | None]],
-    *,
-    only_one: bool,
-    allow_reasoning: bool = False,
-) -> StructuralTag:
-    """One or more calls (exactly one with `only_one`) among (name, parameters) pairs."""
-    tags = [
-        TagFormat(
-            begin=CALL_PREFIX + name + ARGUMENTS_PREFIX,
-            content=GrammarFormat(grammar=arguments_ebnf(parameters)),
-            end=CALL_SUFFIX,
-        )
-        for name, parameters in functions
-    ]
-    calls = TagsWithSeparatorFormat(
-        tags=tags, separator=CALL_SEPARATOR, at_least_one=True, stop_after_first=only_one
-    )
-    if not allow_reasoning:
-        return StructuralTag(format=calls)
-    # Free text but a nested opening tag; the first `</think>` ends it, as the parser reads it.
-    free = AnyTextFormat(excludes=[THINK_OPEN])
-    think = TagFormat(begin=THINK_OPEN, content=free, end=THINK_CLOSE)
-    block = SequenceFormat(elements=[think, ConstStringFormat(value="\n\n")])
-    return StructuralTag(format=SequenceFormat(elements=[OptionalFormat(content=block), calls]))
 
 
 def arguments_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -170,21 +127,6 @@ def arguments_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
     if any(key in parameters for key in COMBINATORS):
         return dict(parameters)
     return {"type": "object", **parameters}
-
-
-def arguments_ebnf(parameters: Mapping[str, Any] | None) -> str:
-    """EBNF for a tool's arguments; raises RuntimeError/ValueError/GrammarError if the schema
-    does not compile."""
-    schema = arguments_schema(parameters)
-    check_schema(schema)
-    return _schema_ebnf(GrammarSpec.json_schema(schema).spec)
-
-
-@functools.lru_cache(maxsize=256)
-def _schema_ebnf(canonical: str) -> str:
-    # Requests repeat the same tools: validation and grammar building share one conversion.
-    grammar = xgr.Grammar.from_json_schema(canonical, any_whitespace=False, strict_mode=True)
-    return str(grammar).replace(_BOUNDED_CHAR, _JSON_STRING_CHAR)
 
 
 def _check_tools(tools: Any) -> list[str]:
@@ -218,16 +160,10 @@ def _check_parameters(parameters: Any, param: str) -> None:
         raise ToolSpecError(param, "must be a JSON Schema object")
     if parameters.get("type", "object") != "object":
         raise ToolSpecError(param, "must describe an object (type 'object')")
-    # Bounded and exact before xgrammar sees it (it converts here, in the ingress).
+    # Bounded and exact before the grammar deployment converts it (xgrammar never runs in
+    # the ingress: it imports torch).
     try:
         check_schema_carrier(arguments_schema(parameters), param)
     except APIError as exc:
         reason = exc.message.removeprefix("Invalid grammar: ")
         raise ToolSpecError(param, reason, exc.code) from None
-    try:
-        arguments_ebnf(parameters)
-    except GrammarError as exc:
-        raise ToolSpecError(param, exc.reason, "invalid_grammar") from None
-    except (RuntimeError, ValueError, TypeError) as exc:  # what xgrammar raises for a schema
-        reason = f"schema does not compile: {clean_reason(exc)}"
-        raise ToolSpecError(param, reason, "invalid_grammar") from None

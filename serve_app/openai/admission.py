@@ -18,8 +18,7 @@ from serve_app.access.budgets import reserve_budget
 from serve_app.access.keys import principal_of
 from serve_app.access.prefix_scope import prefix_namespace
 from serve_app.config.options import ServeConfig
-from serve_app.grammar.reasoning import after_reasoning
-from serve_app.grammar.spec import GrammarError
+from serve_app.grammar.spec import GrammarSpec
 from serve_app.openai.format import ChoiceState, Formatter
 from serve_app.openai.token_text import TokenTexts
 from serve_app.parsers.chat_output import ChoiceParser, ParseOptions
@@ -193,8 +192,8 @@ class OpenAIAdmission:
         return [ref]
 
     def after_reasoning(
-        self, req: Any, spec: Any, param: str | None, parse: ParseOptions | None
-    ) -> Any:
+        self, req: Any, spec: GrammarSpec, param: str | None, parse: ParseOptions | None
+    ) -> GrammarSpec:
         """The constraint, moved after the reasoning span when the request lets the model
         think first (or the prompt already opened the span); strict: the span is required."""
         strict = bool(getattr(req, "strict_thinking", False))
@@ -205,7 +204,4 @@ class OpenAIAdmission:
         opens = parse is not None and parse.starts_in_reasoning
         if not (strict or opens or (parse is not None and parse.reasoning and req.thinking)):
             return spec
-        try:
-            return after_reasoning(spec, strict=strict, starts_in_reasoning=opens)
-        except GrammarError as exc:
-            raise errors.invalid_grammar(exc.reason, param) from None
+        return GrammarSpec.after_reasoning(spec, strict=strict, starts_in_reasoning=opens)

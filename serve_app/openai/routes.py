@@ -25,7 +25,7 @@ from serve_app.openai.admission import AdmittedRequest, OpenAIAdmission
 from serve_app.openai.request_ids import HEADER as REQUEST_ID_HEADER
 from serve_app.openai.request_ids import RequestIds
 from serve_app.openai.stream import observe_end, record_cancel, stream_sse
-from serve_app.openai.token_text import TokenTexts
+from serve_app.openai.token_text import load_token_texts
 from serve_app.parsers.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.protocol import parse_request
 
@@ -34,13 +34,11 @@ logger = logging.getLogger(__name__)
 
 class OpenAIHandlers:
     def __init__(self, config: ServeConfig, tokenizer, grammar, engine, identity: dict, admit=None):
-        from transformers import AutoTokenizer
-
         self.config = config
         self.identity = identity
         self.tokenizer = tokenizer
         self.engine = engine.options(stream=True)
-        self.texts = TokenTexts(AutoTokenizer.from_pretrained(config.model))
+        self.texts = load_token_texts(config.model)
         self.admission = OpenAIAdmission(config, identity, self.texts, grammar)
         # Server-wide admission (draining); runs before any parsing.
         self.admit = admit

@@ -1,8 +1,15 @@
-"""Token ids -> the text and exact bytes each token stands for (for logprobs)."""
+"""Token ids -> the text and exact bytes each token stands for (for logprobs).
+
+Read with the `tokenizers` library from the checkpoint's `tokenizer.json`: the ingress never
+imports transformers (which imports torch). A checkpoint with only a slow tokenizer falls
+back to transformers' AutoTokenizer.
+"""
 
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
+from typing import Any
 
 
 @lru_cache(maxsize=1)
@@ -41,3 +48,27 @@ class TokenTexts:
         text = raw.decode("utf-8", errors="replace")
         self._cache[token_id] = (text, raw)
         return text, raw
+
+
+class _FastTokenizer:
+    """The two calls TokenTexts makes, on a `tokenizers.Tokenizer`."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def convert_ids_to_tokens(self, token_id: int) -> str | None:
+        return self._tokenizer.id_to_token(token_id)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def load_token_texts(model_dir: str | Path) -> TokenTexts:
+    path = Path(model_dir) / "tokenizer.json"
+    if path.is_file():
+        from tokenizers import Tokenizer
+
+        return TokenTexts(_FastTokenizer(Tokenizer.from_file(str(path))))
+    from transformers import AutoTokenizer  # a slow tokenizer only: this imports torch
+
+    return TokenTexts(AutoTokenizer.from_pretrained(str(model_dir)))

@@ -23,10 +23,10 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import CacheConfig, ModelConfig, ParallelConfig
-from actors.executor import Executor, ExecutorError
+from actors.executor.base import Executor, ExecutorError
+from actors.executor.worker import RayWorkerShell
 from actors.messages import StepInput, StepOutput
 from actors.placement_failure import executor_group_name, placement_failure_message
-from actors.worker import RayWorkerShell
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,32 @@
+"""How the engine core reaches its ranks: `make_executor` picks the executor for a
+`ParallelConfig` (in-process at TP=1, one Ray actor per rank above, `ray_tp`).
+
+- `base`: the `Executor` seam and `ExecutorError`;
+- `in_process`: TP=1 in the caller's process;
+- `ray_tp`: TP ranks as Ray actors in a placement group (NCCL on GPUs, gloo on CPU);
+- `worker`: one rank: its model shard, KV cache and step.
+"""
+
+from __future__ import annotations
+
+from actors.config import CacheConfig, ModelConfig, ParallelConfig, check_tensor_parallel
+from actors.executor.base import Executor, ExecutorError
+
+
+def make_executor(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    parallel_config: ParallelConfig,
+    seed: int = 0,
+) -> Executor:
+    check_tensor_parallel(model_config, parallel_config.tensor_parallel_size)
+    if parallel_config.tensor_parallel_size == 1:
+        from actors.executor.in_process import InProcessExecutor
+
+        return InProcessExecutor(model_config, cache_config, seed)
+    from actors.executor.ray_tp import RayExecutor
+
+    return RayExecutor(model_config, cache_config, parallel_config, seed)
+
+
+__all__ = ["Executor", "ExecutorError", "make_executor"]

@@ -1,0 +1,47 @@
+"""The executor seam: how the engine core reaches its ranks.
+
+Invariant: `execute` runs one step on every rank with the same StepInput and returns rank 0's
+StepOutput; any rank failure raises `ExecutorError` (never hangs) and marks it unhealthy.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+from actors.messages import StepInput, StepOutput
+
+
+class ExecutorError(RuntimeError):
+    """A rank failed or vanished; in-flight requests cannot continue on this executor."""
+
+
+class Executor(abc.ABC):
+    @abc.abstractmethod
+    def determine_num_blocks(self) -> int: ...
+
+    @abc.abstractmethod
+    def init_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abc.abstractmethod
+    def execute(self, step: StepInput) -> StepOutput: ...
+
+    @abc.abstractmethod
+    def is_healthy(self) -> bool: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+    def shard_info(self) -> list[dict[str, object]]:
+        return []
+
+    def releaser(self) -> Callable[[], None]:
+        """A callable that frees what this executor holds outside the process (rank actors,
+        placement groups), idempotent and holding no reference to the executor: a finalizer
+        keeps it to release an owner dropped without `shutdown`. In-process memory needs none
+        (it goes with the objects)."""
+        return _release_nothing
+
+
+def _release_nothing() -> None:
+    return None

@@ -1,0 +1,41 @@
+"""TP=1: the engine's one rank in the caller's process."""
+
+from __future__ import annotations
+
+from actors.config import CacheConfig, ModelConfig
+from actors.executor.base import Executor, ExecutorError
+from actors.messages import StepInput, StepOutput
+
+
+class InProcessExecutor(Executor):
+    """TP=1 in the caller's process: no Ray, no serialisation."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, seed: int = 0):
+        from actors.executor.worker import Worker
+
+        self.worker = Worker(model_config, cache_config, seed=seed)
+        self._healthy = True
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        try:
+            out = self.worker.execute(step)
+        except Exception as exc:
+            self._healthy = False
+            raise ExecutorError(f"step failed: {exc}") from exc
+        assert out is not None
+        return out
+
+    def is_healthy(self) -> bool:
+        return self._healthy
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+    def shard_info(self) -> list[dict[str, object]]:
+        return [self.worker.shard_info()]
