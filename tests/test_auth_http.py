@@ -13,13 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import side_apps
 import yaml
-from conftest import free_port
-from postgres_fixtures import create_database, drop_database
 
 from serve_app.access.keys import hash_key
 from serve_app.config.options import ServeConfig
+from tests.support import side_apps
+from tests.support.ports import free_port
+from tests.support.postgres import create_database, drop_database
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
 

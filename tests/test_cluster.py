@@ -1,7 +1,7 @@
 """The graph on a simulated multi-node cluster: a CPU-only head and two nodes with 2 fake GPUs.
 
 Isolation: `ray.init` happens once per process and the test session already holds a local
-Ray, so the cluster lives in a driver process of its own (tests/cluster_driver.py) and the
+Ray, so the cluster lives in a driver process of its own (tests/support/cluster.py) and the
 server is the real `serve-app serve --address ...` in another. This module talks to them
 over HTTP and JSON lines; it never joins the cluster itself. Both processes are ended in the
 fixtures' finalizers, and Ray's reaper removes the node processes if the driver dies.
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.serve
 
@@ -42,7 +43,7 @@ class SimCluster:
             # NOTE: Ray gives a node 30 s to register; on a loaded machine the head can miss
             # that. A failed driver exits (Ray's reaper removes what it started): start again.
             self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "cluster_driver.py")],
+                [sys.executable, "-m", "tests.support.cluster"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,

@@ -10,9 +10,9 @@ import os
 import time
 
 import pytest
-from grammar_fixtures import accepts, compile_spec
 
 from serve_app.grammar.service import GrammarError, GrammarService, GrammarSpec
+from tests.support.grammar import accepts, compile_spec
 
 
 @pytest.fixture

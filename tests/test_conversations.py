@@ -7,7 +7,8 @@ import time
 
 import httpx
 import pytest
-from generation_fixtures import poll
+
+from tests.support.generations import poll
 
 pytestmark = pytest.mark.serve
 

@@ -12,7 +12,8 @@ import time
 
 import httpx
 import pytest
-import side_apps
+
+from tests.support import side_apps
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import free_port
 
 from serve_app import ray_env
 from serve_app.backpressure import proxy_flow
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.serve
 

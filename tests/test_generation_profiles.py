@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from grammar_fixtures import accepts, compile_spec
 from pydantic import ValidationError
 
 from serve_app.config.options import ServeConfig
 from serve_app.config.profiles import GenerationOptions, Profile, constrained_schema
 from serve_app.generations.protocol import GenerationCreate
+from tests.support.grammar import accepts, compile_spec
 
 DRAFT = {
     "type": "object",

@@ -10,11 +10,17 @@ import uuid
 import httpx
 import jsonschema
 import pytest
-from admin_client import engine_timeline
-from generation_fixtures import ORPHAN_AFTER_S, QUICK_DEADLINE_S, SESSION, SUPPORT_DRAFT_V1, poll
 
 from serve_app.store.base import GenerationRecord
 from serve_app.store.sqlite import SQLiteStore
+from tests.support.admin import engine_timeline
+from tests.support.generations import (
+    ORPHAN_AFTER_S,
+    QUICK_DEADLINE_S,
+    SESSION,
+    SUPPORT_DRAFT_V1,
+    poll,
+)
 
 pytestmark = pytest.mark.serve
 

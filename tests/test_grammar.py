@@ -14,7 +14,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import xgrammar as xgr
-from grammar_fixtures import accepts, compile_spec
 
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
 from serve_app.grammar.service import (
@@ -24,6 +23,7 @@ from serve_app.grammar.service import (
     GrammarService,
     GrammarSpec,
 )
+from tests.support.grammar import accepts, compile_spec
 
 # ------------------------------------------------------------------------- kinds and cache
 

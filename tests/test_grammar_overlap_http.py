@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from admin_client import engine_timeline
-from side_apps import side_app, side_config
+
+from tests.support.admin import engine_timeline
+from tests.support.side_apps import side_app, side_config
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
 

@@ -9,10 +9,10 @@ import json
 
 import jsonschema
 import pytest
-from grammar_fixtures import accepts, compile_spec
 
 from serve_app.grammar.schema_subset import SchemaRefused, check_schema_subset
 from serve_app.grammar.service import SUPPORTED_JSON_SCHEMA, GrammarError
+from tests.support.grammar import accepts, compile_spec
 
 # ------------------------------------------------------------ the JSON Schema subset we claim
 

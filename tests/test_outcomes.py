@@ -12,8 +12,9 @@ import time
 import httpx
 import jsonschema
 import pytest
-from grammar_fixtures import accepts_tokens, compile_spec
 from transformers import AutoTokenizer
+
+from tests.support.grammar import accepts_tokens, compile_spec
 
 pytestmark = pytest.mark.serve
 

@@ -20,16 +20,16 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from generation_fixtures import (
+
+from serve_app.store.base import GenerationRecord
+from serve_app.store.sqlite import SQLiteStore
+from tests.support.generations import (
     ORPHAN_AFTER_S,
     QUICK_DEADLINE_S,
     SESSION,
     SUPPORT_DRAFT_V1,
     poll,
 )
-
-from serve_app.store.base import GenerationRecord
-from serve_app.store.sqlite import SQLiteStore
 
 pytestmark = pytest.mark.serve
 

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from side_apps import side_app, side_config
 
 from serve_app.backpressure.proxy_flow import FLOW_HEADER
+from tests.support.side_apps import side_app, side_config
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray]
 

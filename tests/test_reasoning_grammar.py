@@ -8,11 +8,11 @@ import json
 
 import pytest
 import xgrammar as xgr
-from grammar_fixtures import accepts, compile_spec
 
 from serve_app.grammar.reasoning import after_reasoning, constraint_ebnf
 from serve_app.grammar.service import GrammarError, GrammarSpec
 from serve_app.grammar.tools import CALL_PREFIX, tool_call_grammar
+from tests.support.grammar import accepts, compile_spec
 
 SCHEMA = json.dumps({"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}})
 THINK = "<think>\nweigh it: {not json} ✓\n</think>\n\n"

@@ -9,7 +9,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from scheduler_helpers import (
+
+from actors.request import Sequence, SequenceStatus
+from actors.scheduler import Scheduler
+from tests.support.scheduler import (
     SAMPLED_TOKEN,
     assert_all_blocks_free,
     chunks_of,
@@ -18,9 +21,6 @@ from scheduler_helpers import (
     run,
     step,
 )
-
-from actors.request import Sequence, SequenceStatus
-from actors.scheduler import Scheduler
 
 _ids = itertools.count()
 # --------------------------------------------------------------------- token budget

@@ -6,12 +6,12 @@ from collections.abc import Callable
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scheduler_helpers import make_seq
 
 from actors.config import SchedulerConfig
 from actors.kv_cache import BlockManager
 from actors.request import Sequence, SequenceStatus
 from actors.scheduler import Scheduler
+from tests.support.scheduler import make_seq
 
 # ------------------------------------------------------------------ random operations
 

@@ -126,9 +126,8 @@ class FakeHandle:
 def test_the_admin_port_is_waited_for_while_a_predecessor_holds_it_then_named():
     """A redeployed admin replica binds the port its predecessor is releasing; a port that
     stays taken fails the replica with a message naming it."""
-    from conftest import free_port
-
     from serve_app.ops.admin import bind_listening
+    from tests.support.ports import free_port
 
     port = free_port()
     holder = socket.create_server(("127.0.0.1", port))

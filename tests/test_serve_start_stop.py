@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
 
 from serve_app.cli import main
+from tests.support.ports import free_port
 
 SERVE_APP = str(Path(sys.executable).with_name("serve-app"))
 # What an operator would read as trouble: Python's and Ray's warnings and errors (glog lines

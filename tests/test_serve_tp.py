@@ -12,11 +12,11 @@ pytestmark = pytest.mark.serve
 
 @pytest.fixture(scope="module")
 def tp2_url(serve_url, model_dirs):
-    from conftest import free_port
     from ray import serve
 
     from serve_app.app import build_app
     from serve_app.config.options import ServeConfig
+    from tests.support.ports import free_port
 
     config = ServeConfig(
         model=str(model_dirs("llama")),

@@ -245,7 +245,7 @@ def test_completion_string_prompts_over_http_are_text(serve_url, model_id, token
 @pytest.mark.serve
 def test_generation_input_cannot_open_a_system_turn(serve_url, tokenizer, encoder):
     """The profiles forbid the system role; spelling one in the input must not open it."""
-    from generation_fixtures import SESSION, generation_options
+    from tests.support.generations import SESSION, generation_options
 
     im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     body = {"profile": "support_reply_v3", "input": INJECTION, "max_output_tokens": 1}

@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from side_apps import side_app, side_config
+
+from tests.support.side_apps import side_app, side_config
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray]
 

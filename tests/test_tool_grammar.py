@@ -7,7 +7,6 @@ import json
 
 import jsonschema
 import pytest
-from grammar_fixtures import accepts, compile_spec
 
 from serve_app.grammar.tools import (
     ARGUMENTS_PREFIX,
@@ -20,6 +19,7 @@ from serve_app.grammar.tools import (
     validate_tools,
 )
 from serve_app.parsers.tools import HermesToolParser, collect
+from tests.support.grammar import accepts, compile_spec
 
 
 def tool(name: str, parameters: dict | None = None) -> dict:

@@ -13,10 +13,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from side_apps import side_app, side_config
 
 from serve_app.checkpoints.chat_templates import shipped_template_path
 from serve_app.checkpoints.identity import weights_hash
+from tests.support.side_apps import side_app, side_config
 
 pytestmark = [pytest.mark.trained, pytest.mark.serve, pytest.mark.ray, pytest.mark.timeout(600)]
 

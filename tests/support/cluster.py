@@ -1,8 +1,9 @@
 """Owns a simulated multi-node Ray cluster for tests/test_cluster.py, in its own process.
 
-Run as `python tests/cluster_driver.py`. It starts a head with CPUs only and two nodes with
-2 fake GPUs each, prints `READY {json}` (the address and the nodes), then answers one JSON
-command per stdin line with one `REPLY {json}` line:
+Run as `python -m tests.support.cluster` from the repository root (a module, not a script, so
+that Ray does not put tests/support/ on its workers' path). It starts a head with CPUs only and
+two nodes with 2 fake GPUs each, prints `READY {json}` (the address and the nodes), then
+answers one JSON command per stdin line with one `REPLY {json}` line:
 
 - `{"cmd": "topology"}`: every live actor (class, name, node, pid, owner port) and node.
 - `{"cmd": "logs_dir"}`: the cluster's Ray log folder.

@@ -1,31 +1,13 @@
-"""Shared fixtures for the grammar tests: the service, the engine-side cache, helpers."""
+"""Grammar helpers for the tests: compile a spec on the service, check what a compiled grammar
+admits on the engine-side cache. (The `model_path`, `service` and `engine_cache` fixtures are in
+tests/conftest.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
+from actors.grammar_cache import CompiledGrammarCache
 from serve_app.grammar.service import CompiledGrammarPayload, GrammarService, GrammarSpec
-
-
-@pytest.fixture(scope="session")
-def model_path(model_dirs) -> str:
-    return str(model_dirs("llama"))
-
-
-@pytest.fixture(scope="session")
-def service(model_path):
-    # One per run: its compile workers start once (a test that changes it restores it).
-    svc = GrammarService(model_path)
-    yield svc
-    svc.close()
-
-
-@pytest.fixture(scope="module")
-def engine_cache(model_path) -> CompiledGrammarCache:
-    return CompiledGrammarCache(lambda: load_tokenizer_info(model_path))
 
 
 def compile_spec(service: GrammarService, kind: str, spec: str = "") -> CompiledGrammarPayload:

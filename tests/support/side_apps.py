@@ -13,10 +13,9 @@ SIDE_KV_CACHE_BYTES = 32 * 1024**2
 def side_config(model_dir, model_name: str, data_dir, *, engine=None, **fields):
     """A side app's ServeConfig: its own model name, generations folder and admin port, and a
     small KV cache (`engine` adds to or overrides it)."""
-    from conftest import free_port
-
     from serve_app.config.options import ServeConfig
     from serve_app.config.profiles import GenerationOptions
+    from tests.support.ports import free_port
 
     generations = GenerationOptions(data_dir=str(data_dir), **fields.pop("generations", {}))
     fields.setdefault("admin_port", free_port())
@@ -45,8 +44,9 @@ def side_app(
     config, name: str, prefix: str, serve_url: str, ray_session, *, admin: bool = False
 ) -> Iterator[tuple[str, str | None]]:
     """The app's public URL and (with `admin`) its admin URL; deleted on the way out."""
-    from admin_client import wait_reporting
     from ray import serve
+
+    from tests.support.admin import wait_reporting
 
     url = f"{serve_url}{prefix}"
     admin_url = f"http://127.0.0.1:{config.admin_port}"
