@@ -10,7 +10,7 @@ import pytest
 
 from serve_app import ray_env
 from tests.support.ports import free_port
-from tests.support.postgres import URL_ENV, create_database, drop_database
+from tests.support.postgres import URL_ENV
 
 # Whichever test starts this process's Ray (a fixture, or an engine with TP ranks), its
 # workers inherit the environment a served Ray gets: flow middleware, gRPC data plane.
@@ -177,16 +177,6 @@ def postgres_server() -> Iterator[str]:
             server.cleanup()
     finally:
         shutil.rmtree(pgdata, ignore_errors=True)
-
-
-@pytest.fixture
-def postgres_url(postgres_server: str) -> Iterator[str]:
-    """A fresh, empty database on the session's server (dropped afterwards)."""
-    url = create_database(postgres_server)
-    try:
-        yield url
-    finally:
-        drop_database(postgres_server, url)
 
 
 # ---------------------------------------------------------------- trained demo model

@@ -1,4 +1,4 @@
-"""Owns a simulated multi-node Ray cluster for tests/test_cluster.py, in its own process.
+"""Owns a simulated multi-node Ray cluster for tests/cluster/test_cluster.py, in its own process.
 
 Run as `python -m tests.support.cluster` from the repository root (a module, not a script, so
 that Ray does not put tests/support/ on its workers' path). It starts a head with CPUs only and

@@ -193,7 +193,7 @@ def test_unknown_routes_and_wrong_methods_answer_in_the_error_shape(serve_url: s
 
 def test_serves_route_table_needs_a_key_once_keys_are_registered(serve_url: str) -> None:
     """The proxy's guard against the directory a keyed ingress fills: here the test plays
-    that ingress (a keyed app of its own: tests/test_auth_http.py)."""
+    that ingress (a keyed app of its own: tests/access/test_auth_http.py)."""
     from serve_app.access.keys import KeysFile, hash_key
     from serve_app.access.proxy_keys import register_keys, unregister_keys
 

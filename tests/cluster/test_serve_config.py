@@ -15,7 +15,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from serve_app.app import app_builder
 
-CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve_config.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
 
 
 def test_serve_config_file_validates_and_builds_the_graph(model_dirs):

@@ -4,7 +4,7 @@ row; each row's expected status is the batch column of `/v1/server_info`'s `outc
 
 One pipeline run (Ray Data, as the CLI runs it) holds every constructed row; the engine-lost
 row runs the same engine callable in-process with its executor failing, as
-tests/test_batch.py's recovery test does."""
+tests/batch/test_batch.py's recovery test does."""
 
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ REJECTED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("chat", {"logit_bias": {"5": -100}}, UP, "logit_bias"),
     ("completion", {"tools": TOOL}, UP, "tools"),
     ("completion", {"tool_choice": "required"}, UP, "tool_choice"),
-    # tool requests the chat endpoint cannot mean (tests/test_openai_tools.py has the rest)
+    # tool requests the chat endpoint cannot mean (tests/openai/test_openai_tools.py has the rest)
     ("chat", {"tools": []}, IR, "tools"),
     ("chat", {"tool_choice": "required"}, IR, "tool_choice"),
     ("chat", {"functions": TOOL}, UP, "functions"),

@@ -50,7 +50,7 @@ def open_backend(
 ) -> Iterator[Opener]:
     """A factory of Stores on one backing storage, all on `clock`; closes what it opened."""
     opened: list[Store] = []
-    # A fresh database on the session's PostgreSQL server (tests/conftest.py).
+    # A fresh database on the session's PostgreSQL server (`postgres_url`, tests/store/conftest.py).
     pg_url = request.getfixturevalue("postgres_url") if request.param == "postgresql" else ""
 
     def open_one() -> Store:

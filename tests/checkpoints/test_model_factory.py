@@ -21,7 +21,7 @@ from serve_app.checkpoints.factory import (
 )
 from serve_app.checkpoints.presets import ARCHS, PRESET_SPECS, PRESETS
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
     "The lighthouse on the northern cape was built in 1871.",
     'def add(a, b):\n    return {"sum": a + b, "ok": true}',

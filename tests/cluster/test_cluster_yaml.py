@@ -10,7 +10,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
+CLUSTER_YAML = Path(__file__).resolve().parents[2] / "cluster.yaml"
 
 
 @pytest.fixture(scope="module")

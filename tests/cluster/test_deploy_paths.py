@@ -32,7 +32,7 @@ from tests.support.ports import free_port
 
 pytestmark = pytest.mark.serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SHIPPED_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 WARNING = proxy_flow.MISSING_HOOK_WARNING

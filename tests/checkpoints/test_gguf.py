@@ -109,7 +109,7 @@ def test_an_interrupted_conversion_leaves_nothing_that_loads(tmp_path, monkeypat
         gguf.gguf_checkpoint(Path({str(path)!r}), Path({str(root)!r}))
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[1])
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
     try:
         deadline = time.monotonic() + 120
         while not list(root.glob(".*/model.safetensors")):

@@ -2,7 +2,8 @@
 table that a client can observe: a matched stop, the grammar's own end (constructed on
 purpose), max tokens and a deadline. Each of `n` constrained samples has its own matcher:
 every output's token ids (`return_token_ids`) replay through a fresh xgrammar matcher, token
-by token. The other families: tests/test_outcomes_generations.py, tests/test_outcomes_batch.py."""
+by token. The other families: tests/generations/test_outcomes_generations.py,
+tests/batch/test_outcomes_batch.py."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from tests.support.ports import free_port
 
 pytestmark = pytest.mark.serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVE_APP = [sys.executable, "-m", "serve_app.cli", "serve"]
 PLACEMENT_TIMEOUT_S = 8
 # Long enough to outlast the kill on a fast machine (tiny model, ~5 ms a step).

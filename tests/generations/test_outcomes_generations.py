@@ -7,7 +7,7 @@ those rows sample in the background until the row's ending shows (bounded); the 
 constructed: an output limit, a profile whose deadline is shorter than its output takes, a
 cancel, a stream reader that stops reading, and a generation whose owner process is gone.
 Killing the engine replica mid-generation (the same row, `engine_lost`) is
-tests/test_crash_recovery.py's, on a second Serve app."""
+tests/workers/test_crash_recovery.py's, on a second Serve app."""
 
 from __future__ import annotations
 
