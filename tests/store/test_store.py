@@ -1,0 +1,271 @@
+"""The Store contract, run against every backend (`store` is parametrised by backend name).
+
+A backend joins by adding its name to BACKENDS and a branch to `open_backend`: the factory
+must return a fresh Store on the *same* storage each time it is called (that is how a
+restart is simulated), with the given clock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from serve_app.store.base import (
+    ConversationRecord,
+    ConversationTurn,
+    GenerationRecord,
+    IdempotencyKey,
+    InsertOutcome,
+    Store,
+    TurnAppend,
+)
+from serve_app.store.sqlite import SQLiteStore
+
+BACKENDS = ["sqlite", "postgresql"]
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Opener = Callable[[], Store]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=BACKENDS)
+def open_backend(
+    request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock
+) -> Iterator[Opener]:
+    """A factory of Stores on one backing storage, all on `clock`; closes what it opened."""
+    opened: list[Store] = []
+    # A fresh database on the session's PostgreSQL server (`postgres_url`, tests/store/conftest.py).
+    pg_url = request.getfixturevalue("postgres_url") if request.param == "postgresql" else ""
+
+    def open_one() -> Store:
+        if request.param == "sqlite":
+            store: Store = SQLiteStore(tmp_path / "store.sqlite3", clock)
+        elif request.param == "postgresql":
+            from serve_app.store.postgres import PostgresStore
+
+            store = PostgresStore(pg_url, clock)
+        else:  # pragma: no cover - each backend adds its branch
+            raise AssertionError(request.param)
+        opened.append(store)
+        return store
+
+    yield open_one
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def store(open_backend: Opener) -> Store:
+    return open_backend()
+
+
+def gen(gid: str = "gen_1", tenant: str = "t1", status: str = "queued", **data) -> GenerationRecord:
+    return GenerationRecord(
+        gid, tenant, status, owner="proc-a", data=dict(data), created_at=1.0, updated_at=1.0
+    )
+
+
+def conv(cid: str = "conv_1", tenant: str = "t1", expires_at: float = 2e6) -> ConversationRecord:
+    return ConversationRecord(cid, tenant, 0, [], 1.0, 1.0, expires_at)
+
+
+def key(k: str = "k1", body_hash: str = "h1") -> IdempotencyKey:
+    return IdempotencyKey("generations.create", k, body_hash, expires_at=2e6)
+
+
+# -------------------------------------------------------------------- generations
+
+
+def test_insert_and_get_is_tenant_scoped(store: Store) -> None:
+    result = store.insert_generation(gen(profile="p", output=[{"type": "text", "text": "é"}]))
+    assert result.outcome is InsertOutcome.CREATED
+    got = store.get_generation("t1", "gen_1")
+    assert got is not None and got.status == "queued"
+    assert got.data == {"profile": "p", "output": [{"type": "text", "text": "é"}]}
+    assert store.get_generation("t2", "gen_1") is None
+    assert store.get_generation("t1", "gen_2") is None
+
+
+def test_update_is_compare_and_set_on_status(store: Store) -> None:
+    store.insert_generation(gen())
+    running = replace(gen(status="running"), updated_at=2.0)
+    assert store.update_generation(running, {"queued"})
+    done = replace(gen(status="completed", text="x"), expires_at=5e6)
+    cancelled = replace(gen(status="cancelled"), expires_at=5e6)
+    assert store.update_generation(done, {"queued", "running"})
+    # A cancel that arrives after completion loses the race and changes nothing.
+    assert not store.update_generation(cancelled, {"queued", "running"})
+    got = store.get_generation("t1", "gen_1")
+    assert got is not None and got.status == "completed" and got.data == {"text": "x"}
+    # Another tenant cannot write it even with the right status.
+    other = replace(gen(tenant="t2", status="failed"))
+    assert not store.update_generation(other, {"completed"})
+
+
+def test_completed_resources_survive_a_restart(open_backend: Opener) -> None:
+    first = open_backend()
+    first.insert_generation(gen())
+    first.finish_generation(
+        replace(gen(status="completed", text="kept"), expires_at=5e6), {"queued"}
+    )
+    first.close()
+    second = open_backend()
+    got = second.get_generation("t1", "gen_1")
+    assert got is not None and got.status == "completed" and got.data == {"text": "kept"}
+
+
+def test_orphans_are_unfinished_generations_of_silent_owners(
+    store: Store, clock: FakeClock
+) -> None:
+    store.heartbeat("proc-a")
+    store.insert_generation(gen("gen_1", status="running"))
+    store.insert_generation(gen("gen_2", status="queued"))
+    store.insert_generation(gen("gen_3", status="completed"))
+    assert store.list_orphaned_generations(stale_after_s=30) == []
+    clock.now += 31
+    orphans = store.list_orphaned_generations(stale_after_s=30)
+    assert sorted(o.id for o in orphans) == ["gen_1", "gen_2"]
+    store.heartbeat("proc-a")
+    assert store.list_orphaned_generations(stale_after_s=30) == []
+
+
+# -------------------------------------------------------------------- idempotency
+
+
+def test_idempotency_key_replays_or_conflicts(store: Store) -> None:
+    assert store.insert_generation(gen("gen_1"), key()).outcome is InsertOutcome.CREATED
+    replay = store.insert_generation(gen("gen_2"), key())
+    assert replay.outcome is InsertOutcome.REPLAY and replay.generation.id == "gen_1"
+    reused = store.insert_generation(gen("gen_3"), key(body_hash="other"))
+    assert reused.outcome is InsertOutcome.KEY_REUSED and reused.generation.id == "gen_1"
+    assert store.get_generation("t1", "gen_2") is None
+    assert store.get_generation("t1", "gen_3") is None
+    # Scoped by tenant and by operation.
+    assert (
+        store.insert_generation(gen("gen_4", tenant="t2"), key()).outcome is InsertOutcome.CREATED
+    )
+    other_op = IdempotencyKey("other.op", "k1", "h1", 2e6)
+    assert store.insert_generation(gen("gen_5"), other_op).outcome is InsertOutcome.CREATED
+
+
+def test_idempotency_key_expires(store: Store, clock: FakeClock) -> None:
+    store.insert_generation(gen("gen_1"), IdempotencyKey("op", "k", "h", clock.now + 10))
+    clock.now += 11
+    assert (
+        store.insert_generation(
+            gen("gen_2"), IdempotencyKey("op", "k", "h", clock.now + 10)
+        ).outcome
+        is InsertOutcome.CREATED
+    )
+
+
+def test_concurrent_claims_create_exactly_one(open_backend: Opener) -> None:
+    stores = [open_backend() for _ in range(4)]
+    outcomes: list[InsertOutcome] = []
+    lock = threading.Lock()
+
+    def claim(i: int) -> None:
+        result = stores[i % 4].insert_generation(gen(f"gen_{i}"), key())
+        with lock:
+            outcomes.append(result.outcome)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count(InsertOutcome.CREATED) == 1
+    assert outcomes.count(InsertOutcome.REPLAY) == 15
+
+
+# ------------------------------------------------------------------- conversations
+
+
+def test_conversation_turns_need_the_current_revision(store: Store) -> None:
+    store.create_conversation(conv())
+    turn = ConversationTurn("conv_1", expected_revision=0)
+    assert store.insert_generation(gen("gen_1"), turn=turn).outcome is InsertOutcome.CREATED
+    # The turn is held by gen_1: a second writer at the same revision is stale.
+    assert store.insert_generation(gen("gen_2"), turn=turn).outcome is InsertOutcome.STALE_REVISION
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    append = TurnAppend(messages, expires_at=3e6)
+    assert store.finish_generation(gen("gen_1", status="completed"), {"queued"}, append)
+    got = store.get_conversation("t1", "conv_1")
+    assert got is not None and got.revision == 1 and got.messages == messages
+    assert got.expires_at == 3e6
+    assert got.pending_generation is None
+    assert store.insert_generation(gen("gen_3"), turn=turn).outcome is InsertOutcome.STALE_REVISION
+    next_turn = ConversationTurn("conv_1", expected_revision=1)
+    assert store.insert_generation(gen("gen_4"), turn=next_turn).outcome is InsertOutcome.CREATED
+
+
+def test_a_failed_turn_releases_the_conversation_unchanged(store: Store) -> None:
+    store.create_conversation(conv())
+    turn = ConversationTurn("conv_1", 0)
+    store.insert_generation(gen("gen_1"), turn=turn)
+    assert store.finish_generation(gen("gen_1", status="failed"), {"queued", "running"})
+    got = store.get_conversation("t1", "conv_1")
+    assert got is not None and got.revision == 0 and got.messages == []
+    assert store.insert_generation(gen("gen_2"), turn=turn).outcome is InsertOutcome.CREATED
+
+
+def test_conversations_are_tenant_scoped(store: Store) -> None:
+    store.create_conversation(conv())
+    assert store.get_conversation("t2", "conv_1") is None
+    assert not store.delete_conversation("t2", "conv_1")
+    result = store.insert_generation(gen(tenant="t2"), turn=ConversationTurn("conv_1", 0))
+    assert result.outcome is InsertOutcome.CONVERSATION_NOT_FOUND
+    assert store.get_generation("t2", "gen_1") is None
+    assert store.delete_conversation("t1", "conv_1")
+    assert store.get_conversation("t1", "conv_1") is None
+    assert not store.delete_conversation("t1", "conv_1")
+
+
+# -------------------------------------------------------------------------- expiry
+
+
+def test_expired_rows_read_as_absent_then_are_purged(store: Store, clock: FakeClock) -> None:
+    store.insert_generation(replace(gen("gen_old", status="completed"), expires_at=clock.now + 5))
+    store.insert_generation(gen("gen_live", status="running"))  # unfinished: never expires
+    store.create_conversation(conv("conv_old", expires_at=clock.now + 5))
+    store.insert_generation(gen("gen_k"), IdempotencyKey("op", "k", "h", clock.now + 5))
+    clock.now += 6
+    assert store.get_generation("t1", "gen_old") is None
+    assert store.get_conversation("t1", "conv_old") is None
+    assert store.purge_expired() == 3  # generation, conversation, key
+    assert store.get_generation("t1", "gen_live") is not None
+    assert store.purge_expired() == 0
+
+
+def test_sqlite_files_and_the_folder_made_for_them_are_private(tmp_path: Path) -> None:
+    """Records hold prompts and outputs: 0600 files (WAL and shm too) in a 0700 folder."""
+    path = tmp_path / "data" / "serve-app.sqlite3"
+    store = SQLiteStore(path)
+    store.create_conversation(conv())
+    files = [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
+    try:
+        assert all(f.exists() for f in files)
+        assert {oct(f.stat().st_mode & 0o777) for f in files} == {"0o600"}
+        assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+    finally:
+        store.close()
+    # A file left world-readable by an older version is narrowed when it is opened again.
+    path.chmod(0o644)
+    SQLiteStore(path).close()
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
