@@ -182,3 +182,48 @@ def test_block_runs(block: Block, tmp_path: Path) -> None:
         f"--- block ---\n{block.code}--- stdout ---\n{out}--- stderr ---\n{err}",
         pytrace=False,
     )
+
+
+# Repository paths and modules the pages name (`serve_app/grammar/spec.py`, `tests/...`,
+# `serve_app.grammar.spec`): each must exist, so a move or a rename cannot leave a page behind.
+REPO_PATH = re.compile(
+    r"\b((?:serve_app|actors|tests|benchmarks|deploy|notebooks)/[\w/.-]+?"
+    r"\.(?:py|md|yaml|ipynb|jinja))\b"
+)
+MODULE = re.compile(r"\b((?:serve_app|actors)(?:\.[a-z_][a-z0-9_]*)+)")
+# Made by a run, not kept in the repository.
+GENERATED = {"notebooks/quickstart-run.ipynb"}
+
+
+def _defines(source: Path, name: str) -> bool:
+    """Whether a module's text defines or imports `name` at its top level."""
+    pattern = rf"^(?:(?:async )?def |class ){name}\b|^{name}\s*[:=]|^from \S+ import .*\b{name}\b"
+    text = source.read_text()
+    return bool(re.search(pattern, text, re.M)) or f'"{name}"' in text  # or in __all__
+
+
+def _module_exists(dotted: str) -> bool:
+    """A module or package of this checkout, or a name one defines (`pkg.mod.Name`)."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:n])
+        rest = parts[n:]
+        for source in (base.with_suffix(".py"), base / "__init__.py"):
+            if source.is_file():
+                return not rest or _defines(source, rest[0])
+    return False
+
+
+def test_every_path_and_module_the_docs_name_exists() -> None:
+    missing = []
+    for path in [*doc_files(), *sorted((ROOT / "benchmarks").glob("*.md"))]:
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(ROOT).as_posix()
+        for match in REPO_PATH.finditer(text):
+            name = match.group(1)
+            if name not in GENERATED and not (ROOT / name).exists():
+                missing.append(f"{where}: {name}")
+        for match in MODULE.finditer(text):
+            if not _module_exists(match.group(1)):
+                missing.append(f"{where}: {match.group(1)}")
+    assert not missing, "\n".join(missing)

@@ -6,7 +6,7 @@ or `format`, drops `multipleOf` on numbers, ignores regex anchors in the middle 
 and it silently ignores keywords it does not know (`not`, `uniqueItems`, `if`/`then`), keywords
 of one type in a schema without `type`, `enum` values of another type than `type`, and every
 assertion beside a `$ref`/`anyOf`/`oneOf`/`allOf`. Each case was found by compiling it and
-checking the grammar against `jsonschema` (tests/test_grammar_schema_subset.py holds them).
+checking the grammar against `jsonschema` (tests/grammar/test_grammar_schema_subset.py holds them).
 `check_schema_subset` refuses all of them before anything compiles, so a tool's parameters
 (converted in the ingress) get the same rule as a `response_format` schema; the compile worker
 also refuses whatever xgrammar still warns about (`serve_app.grammar.compile_worker`).
