@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app import errors
+from serve_app import errors, outcomes
 from serve_app.access import client_json
 from serve_app.access.keys import KeyLimits
 from serve_app.access.prefix_scope import prefix_cache_info
@@ -20,59 +20,6 @@ from serve_app.parsers.tools import parser_versions
 
 # Fields that change nothing here: accepted and ignored (never one that changes output).
 IGNORED_FIELDS = ["user", "metadata", "store", "service_tier"]
-
-# ARCHITECTURE.md's outcome table, row by row: one vocabulary mapped per API family.
-OUTCOMES = [
-    {
-        "cause": "EOS or stop token/string",
-        "openai": {"finish_reason": "stop", "stop_reason": "the matched stop"},
-        "generation": {"status": "completed", "finish_reason": "stop"},
-        "batch": {"status": "completed"},
-    },
-    {
-        "cause": "grammar complete, no continuation but the end",
-        "openai": {"finish_reason": "stop", "stop_reason": "grammar_end"},
-        "generation": {"status": "completed", "finish_reason": "stop", "note": "value validated"},
-        "batch": {"status": "completed"},
-    },
-    {
-        "cause": "max tokens",
-        "openai": {"finish_reason": "length"},
-        "generation": {"status": "incomplete", "finish_reason": "output_limit"},
-        "batch": {"status": "incomplete"},
-    },
-    {
-        "cause": "refusal branch taken",
-        "openai": None,
-        "generation": {"status": "refused", "finish_reason": "refusal"},
-        "batch": {"status": "completed", "note": "refusal text"},
-    },
-    {
-        "cause": "deadline reached while running",
-        "openai": {"finish_reason": "timeout"},
-        "generation": {"status": "incomplete", "finish_reason": "timeout"},
-        "batch": {"status": "failed", "error_code": "timeout"},
-    },
-    {
-        "cause": "client cancel / disconnect",
-        "openai": {"finish_reason": "abort", "note": "stream already closed"},
-        "generation": {"status": "cancelled", "finish_reason": "cancelled"},
-        "batch": None,
-    },
-    {
-        "cause": "slow consumer past its hold deadline",
-        "openai": {"finish_reason": "abort", "stop_reason": "slow_consumer"},
-        "generation": None,
-        "batch": None,
-        "note": "generations detach from slow readers instead",
-    },
-    {
-        "cause": "engine or worker lost, internal error",
-        "openai": "error frame / 500",
-        "generation": {"status": "failed", "finish_reason": "error", "error_code": "engine_lost"},
-        "batch": {"status": "failed", "note": "transient"},
-    },
-]
 
 
 def tool_calling_info(config: ServeConfig) -> dict[str, Any]:
@@ -183,7 +130,7 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "best effort on GPU in bf16"
         ),
         "errors": errors.TAXONOMY,
-        "outcomes": OUTCOMES,
+        "outcomes": outcomes.published(),
         "engine": {
             "tensor_parallel_size": config.engine.tensor_parallel_size,
             "replicas": config.engine.num_replicas,

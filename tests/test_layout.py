@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, list[list[str]], bool]] = [
         "leaf modules",
         [
             ["serve_app.errors"],
+            ["serve_app.outcomes"],
             ["serve_app.metrics"],
             ["serve_app.named_actors"],
             ["serve_app.ports"],

@@ -18,7 +18,6 @@ from typing import Any
 from serve_app import errors
 from serve_app.access.keys import Principal
 from serve_app.access.ledger import LEDGER_NAMESPACE, UsageLedger, Verdict, ledger_name
-from serve_app.access.static_limits import check_prompt_tokens
 from serve_app.named_actors import get_or_create
 
 logger = logging.getLogger(__name__)
@@ -166,19 +165,12 @@ class Limiter:
 LIMITER_STATE_KEY = "limiter"
 
 
-async def reserve_budget(
-    request: Any, req: Any, prompts: list[list[int]], default_max: int, param: str
-) -> int:
-    """After tokenization, before the engine: the key's prompt limit, then its budgets.
-    Returns the default max_tokens capped by the key's max_output_tokens."""
+async def reserve_budget(request: Any, req: Any, prompts: list[list[int]], max_tokens: int) -> None:
+    """After the output budget is decided, before the engine: reserve against the key's
+    budgets (its prompt tokens plus the most every choice may generate), or 429."""
     from serve_app.access.keys import principal_of
 
-    principal = principal_of(request)
-    check_prompt_tokens(principal, prompts, param)
-    cap = principal.limits.max_output_tokens
-    default_max = default_max if cap is None else min(default_max, cap)
     limiter = (request.scope.get("state") or {}).get(LIMITER_STATE_KEY)
     if limiter is not None:
-        max_new = (req.requested_max_tokens() or default_max) * (req.n or 1) * len(prompts)
-        await limiter.reserve(principal, sum(len(p) for p in prompts), max_new)
-    return default_max
+        max_new = max_tokens * (req.n or 1) * len(prompts)
+        await limiter.reserve(principal_of(request), sum(len(p) for p in prompts), max_new)

@@ -24,19 +24,14 @@ def _tightest(*limits: int | None) -> int | None:
 
 def check_request(principal: Principal, req: Any, server: Any) -> None:
     """Permission and size checks on a parsed OpenAI request, before any content is
-    loaded. `server` is the ServeConfig's LimitOptions."""
+    loaded. `server` is the ServeConfig's LimitOptions. (max_tokens is decided once the
+    prompt is tokenized: `serve_app.access.output_budget`.)"""
     require_model(principal, req.model)
     key = principal.limits
     n = req.n or 1
     max_n = _tightest(server.max_n, key.max_n)
     if max_n is not None and n > max_n:
         raise errors.request_limit_exceeded("max_n", n, max_n, "n")
-    requested = req.requested_max_tokens()
-    cap = _tightest(server.max_output_tokens, key.max_output_tokens)
-    if requested is not None and cap is not None and requested > cap:
-        raise errors.max_tokens_exceeded(
-            f"max_tokens is {requested}; the limit max_output_tokens allows at most {cap}."
-        )
     num_stops = len(req.stop_strings())
     max_stops = _tightest(server.max_stop_sequences, key.max_stop_sequences)
     if max_stops is not None and num_stops > max_stops:

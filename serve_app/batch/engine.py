@@ -26,6 +26,7 @@ from actors.executor import ExecutorError
 from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
 from actors.llm import LLM
 from actors.torch_thread import TorchThread, favour_step_thread
+from serve_app import outcomes
 from serve_app.batch.commit import CommitPlan, JobLink
 from serve_app.batch.faults import FaultHook, KillPoint
 from serve_app.batch.parquet_io import OUTPUT_SCHEMA
@@ -241,7 +242,7 @@ class BatchEngine:
             out = self._failed(row, "timeout", message, state)
             out.update(finish_reason="timeout", completion_tokens=len(state.token_ids))
             return out
-        status = {"stop": "completed", "length": "incomplete"}.get(reason or "", "failed")
+        status = outcomes.batch_status(reason)
         out = self._base(row, status)
         out.update(
             text=state.text,

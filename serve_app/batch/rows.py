@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from actors.sampling_params import SamplingParams
 from serve_app import errors
 from serve_app.access import client_json
+from serve_app.access.output_budget import output_budget
 from serve_app.checkpoints.prompt_encoding import PromptEncoder, UnsafePromptError
 from serve_app.grammar.spec import GrammarSpec
 from serve_app.protocol.params import ResponseFormat, response_format_spec
@@ -149,16 +150,19 @@ def check_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:
 def sampling_params(
     row: dict[str, Any], defaults: BatchDefaults, num_prompt_tokens: int, max_model_len: int
 ) -> SamplingParams:
-    room = max_model_len - num_prompt_tokens
     max_tokens = _value(row, "max_tokens")
-    if max_tokens is None:
-        max_tokens = min(defaults.max_tokens, room)
-    elif isinstance(max_tokens, int) and num_prompt_tokens + max_tokens > max_model_len:
-        raise RowError(
-            "max_tokens_exceeded",
-            f"the model's maximum context length is {max_model_len} tokens; the row asks for "
-            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} prompt + {max_tokens})",
-        )
+    if max_tokens is None or (isinstance(max_tokens, int) and not isinstance(max_tokens, bool)):
+        try:
+            max_tokens = output_budget(
+                max_tokens,
+                default=defaults.max_tokens,  # lowered to the room the prompt leaves
+                caps=[],
+                context=max_model_len,
+                prompt_lengths=[num_prompt_tokens],
+                prompt_param="prompt",
+            )
+        except errors.APIError as exc:
+            raise RowError(exc.code, exc.message) from None
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": defaults.temperature,

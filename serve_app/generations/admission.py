@@ -16,6 +16,7 @@ from actors.sampling_params import SamplingParams
 from serve_app import errors
 from serve_app.access.budgets import LIMITER_STATE_KEY
 from serve_app.access.keys import Principal, principal_of, require_model, require_profile
+from serve_app.access.output_budget import BudgetRules, output_budget, server_and_key_caps
 from serve_app.access.prefix_scope import prefix_namespace
 from serve_app.config.options import ServeConfig
 from serve_app.config.profiles import (
@@ -31,6 +32,15 @@ from serve_app.resources.resource import new_generation_id, usage
 from serve_app.store.base import ConversationTurn, GenerationRecord, IdempotencyKey, Store
 
 OPERATION = "generations.create"
+
+
+# The generations API's wording of an output-budget refusal (422, as its seed chooses).
+GENERATION_RULES = BudgetRules(
+    param="max_output_tokens",
+    status=422,
+    overflow_code="context_length_exceeded",
+    overflow_param="input",
+)
 
 
 class GenerationAdmission:
@@ -62,7 +72,6 @@ class GenerationAdmission:
         model = self._model(profile, req)
         require_model(principal, model)
         output_format = self._output_format(profile, req)
-        max_output = self._max_output(profile, req, principal)
         history: list[dict[str, Any]] = []
         turn = None
         if req.conversation is not None:
@@ -77,7 +86,23 @@ class GenerationAdmission:
         schema = self.options.output_formats.get(output_format)
         messages = self._system(profile, output_format, schema) + history + new_messages
         prompt_ids = await self.tokenizer.render_chat.remote(messages, add_generation_prompt=True)
-        self._check_budget(profile, len(prompt_ids), max_output, principal)
+        self._check_input(profile, len(prompt_ids), principal)
+        max_output = output_budget(
+            # A profile's default is a fixed number the resource records: checked like a
+            # requested one, never lowered to fit.
+            req.max_output_tokens or profile.default_max_output_tokens,
+            default=None,
+            caps=[
+                (f"profile '{profile.name}'", profile.max_output_tokens),
+                *server_and_key_caps(
+                    self.config.limits.max_output_tokens, principal.limits.max_output_tokens
+                ),
+            ],
+            context=self.identity["max_model_len"],
+            prompt_lengths=[len(prompt_ids)],
+            prompt_param="input",
+            rules=GENERATION_RULES,
+        )
         plan = self._build_plan(
             principal.tenant, profile, req, model, output_format, prompt_ids, max_output
         )
@@ -197,22 +222,6 @@ class GenerationAdmission:
             )
         return fmt
 
-    def _max_output(self, profile: Profile, req: GenerationCreate, principal: Principal) -> int:
-        requested = req.max_output_tokens or profile.default_max_output_tokens
-        limits = (
-            (f"profile '{profile.name}'", profile.max_output_tokens),
-            ("the server's limit max_output_tokens", self.config.limits.max_output_tokens),
-            ("the API key's limit max_output_tokens", principal.limits.max_output_tokens),
-        )
-        for name, bound in limits:
-            if bound is not None and requested > bound:
-                raise errors.max_tokens_exceeded(
-                    f"max_output_tokens is {requested}; {name} allows at most {bound}.",
-                    status=422,
-                    param="max_output_tokens",
-                )
-        return requested
-
     def _system(
         self, profile: Profile, output_format: str, schema: dict[str, Any] | None
     ) -> list[dict[str, Any]]:
@@ -221,10 +230,7 @@ class GenerationAdmission:
             parts.append(format_instructions(output_format, schema))
         return [{"role": "system", "content": "\n\n".join(parts)}] if parts else []
 
-    def _check_budget(
-        self, profile: Profile, num_input: int, max_output: int, principal: Principal
-    ) -> None:
-        context = self.identity["max_model_len"]
+    def _check_input(self, profile: Profile, num_input: int, principal: Principal) -> None:
         key_bound = principal.limits.max_prompt_tokens
         if key_bound is not None and num_input > key_bound:
             raise errors.context_length_exceeded(
@@ -238,14 +244,6 @@ class GenerationAdmission:
             raise errors.context_length_exceeded(
                 f"The assembled input (instructions, history and input) has {num_input} "
                 f"tokens; profile '{profile.name}' has an input budget of {budget} tokens.",
-                status=422,
-                param="input",
-            )
-        if num_input + max_output > context:
-            raise errors.context_length_exceeded(
-                f"The assembled input has {num_input} tokens and max_output_tokens is "
-                f"{max_output}: {num_input + max_output} exceeds the model's context of "
-                f"{context} tokens.",
                 status=422,
                 param="input",
             )

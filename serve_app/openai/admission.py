@@ -16,7 +16,9 @@ from actors.messages import EngineRequest
 from serve_app import errors
 from serve_app.access.budgets import reserve_budget
 from serve_app.access.keys import principal_of
+from serve_app.access.output_budget import output_budget, server_and_key_caps
 from serve_app.access.prefix_scope import prefix_namespace
+from serve_app.access.static_limits import check_prompt_tokens
 from serve_app.config.options import ServeConfig
 from serve_app.grammar.spec import GrammarSpec
 from serve_app.openai.format import ChoiceState, Formatter
@@ -103,10 +105,21 @@ class OpenAIAdmission:
         request: Request,
         parse: ParseOptions | None = None,
     ) -> AdmittedRequest:
-        default_max = self.check_lengths(req, prompts, prompt_param)
-        default_max = await reserve_budget(request, req, prompts, default_max, prompt_param)
-        req.check_common(req.requested_max_tokens() or default_max)
-        params = req.to_sampling_params(default_max)
+        principal = principal_of(request)
+        check_prompt_tokens(principal, prompts, prompt_param)
+        max_tokens = output_budget(
+            req.requested_max_tokens(),
+            default=None,  # OpenAI's default: the room the context leaves
+            caps=server_and_key_caps(
+                self.config.limits.max_output_tokens, principal.limits.max_output_tokens
+            ),
+            context=self.max_model_len,
+            prompt_lengths=[len(ids) for ids in prompts],
+            prompt_param=prompt_param,
+        )
+        await reserve_budget(request, req, prompts, max_tokens)
+        req.check_common(max_tokens)
+        params = req.to_sampling_params(max_tokens)
         grammar = await self.start_grammar(req, parse)
         formatter = Formatter(
             chat=chat,
@@ -123,9 +136,7 @@ class OpenAIAdmission:
         )
         timeout_s = client_timeout_s(request, req)
         # The caller's tenant, as authenticated: never a field of the body.
-        namespace = prefix_namespace(
-            principal_of(request).tenant, self.config.engine.shared_prefix_tenants
-        )
+        namespace = prefix_namespace(principal.tenant, self.config.engine.shared_prefix_tenants)
         engine_requests = [
             EngineRequest(
                 uuid.uuid4().hex,
@@ -144,33 +155,6 @@ class OpenAIAdmission:
         )
         job.started = time.monotonic()
         return job
-
-    def check_lengths(self, req: Any, prompts: list[list[int]], prompt_param: str) -> int:
-        """Refuse prompts and max_tokens the context cannot hold; return the default
-        max_tokens (the room the shortest prompt leaves, capped by the server's limit)."""
-        limit = self.max_model_len
-        requested = req.requested_max_tokens()
-        cap = self.config.limits.max_output_tokens
-        if requested is not None and cap is not None and requested > cap:
-            raise errors.max_tokens_exceeded(
-                f"max_tokens is {requested}; this server allows at most {cap}."
-            )
-        shortest_room = limit
-        for ids in prompts:
-            if len(ids) >= limit:
-                raise errors.context_length_exceeded(
-                    f"This model's maximum context length is {limit} tokens; the prompt has "
-                    f"{len(ids)} tokens, leaving no room for output.",
-                    param=prompt_param,
-                )
-            if requested is not None and len(ids) + requested > limit:
-                raise errors.max_tokens_exceeded(
-                    f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {len(ids) + requested} tokens ({len(ids)} in the "
-                    f"{prompt_param}, {requested} in the completion)."
-                )
-            shortest_room = min(shortest_room, limit - len(ids))
-        return shortest_room if cap is None else min(shortest_room, cap)
 
     async def start_grammar(self, req: Any, parse: ParseOptions | None) -> list[object] | None:
         spec = req.grammar_spec()

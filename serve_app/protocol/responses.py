@@ -9,28 +9,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
+from serve_app import outcomes
+
 # OpenAI reports "practically impossible" tokens as -9999.0; JSON has no -Infinity.
 MIN_LOGPROB = -9999.0
-
-# Engine finish reasons -> OpenAI (finish_reason, stop_reason override). ERROR is absent on
-# purpose: an engine failure is an error frame or a 500, never a finish reason.
-_OPENAI_FINISH: dict[str, tuple[str, str | None]] = {
-    "stop": ("stop", None),
-    "length": ("length", None),
-    "timeout": ("timeout", None),
-    "abort": ("abort", None),
-    "grammar_end": ("stop", "grammar_end"),
-}
 
 
 def openai_finish_reason(
     finish_reason: str, stop_reason: str | int | None = None
 ) -> tuple[str, str | int | None]:
-    """Map an engine outcome to OpenAI's (`finish_reason`, `stop_reason`)."""
-    if finish_reason not in _OPENAI_FINISH:
+    """Map an engine outcome to OpenAI's (`finish_reason`, `stop_reason`), as the outcome
+    table (`serve_app.outcomes`) says; an engine failure has none (ValueError)."""
+    reason = outcomes.openai_finish(finish_reason)
+    if reason is None:
         raise ValueError(f"no OpenAI finish reason for {finish_reason!r}")
-    reason, override = _OPENAI_FINISH[finish_reason]
-    return reason, override if override is not None else stop_reason
+    return reason, stop_reason
 
 
 def new_id(prefix: str) -> str:

@@ -1,5 +1,5 @@
 """The generation resource: its JSON shape, and how an engine outcome becomes a terminal
-status (the outcomes table of ARCHITECTURE.md, generations column).
+status (the generation column of the outcome table, `serve_app.outcomes`).
 
 Structured results are parsed and validated here, before `completed`: a refusal object is
 `refused` with empty output, a truncated value is `incomplete` with empty output (never
@@ -15,6 +15,7 @@ from typing import Any
 
 import jsonschema
 
+from serve_app import outcomes
 from serve_app.config.profiles import TEXT_FORMAT
 from serve_app.store.base import GenerationRecord
 
@@ -68,14 +69,11 @@ def settle(
     structured = output_format != TEXT_FORMAT
     # Partial text is shown for text only: a structured value is all or nothing.
     partial = [] if structured else text_blocks(text)
-    if cancelled:
-        return Outcome("cancelled", "cancelled", partial)
-    if engine_finish == "length":
-        return Outcome("incomplete", "output_limit", partial)
-    if engine_finish == "timeout":
-        return Outcome("incomplete", "timeout", partial)
-    if engine_finish != "stop":
+    status, finish = outcomes.generation_end("abort" if cancelled else engine_finish or "")
+    if status == "failed" or (status == "cancelled" and not cancelled):  # not the client's
         return failed("engine_lost", f"the engine ended the generation ({engine_finish})")
+    if status != "completed":  # cancelled, or incomplete (output limit, deadline)
+        return Outcome(status, finish, partial)
     if not structured:
         return Outcome("completed", "stop", text_blocks(text), reply_text=text)
     return settle_structured(text, output_format, schema or {})

@@ -12,6 +12,11 @@ from serve_app import errors
 from serve_app.access.budgets import Limiter, Meter, record_usage
 from serve_app.access.keys import OPEN_PRINCIPAL, KeyLimits, Principal
 from serve_app.access.ledger import UsageLedger
+from serve_app.access.output_budget import (
+    BudgetRules,
+    output_budget,
+    server_and_key_caps,
+)
 from serve_app.access.static_limits import check_request, check_tools
 from serve_app.config.options import LimitOptions
 from serve_app.protocol import parse_request
@@ -43,7 +48,6 @@ SCHEMA = {"type": "object", "properties": {"a_long_property_name": {"type": "str
 CASES = [
     # (request fields, status, code, the limit named in the message, param)
     ({"n": 3}, 400, "request_limit_exceeded", "max_n", "n"),
-    ({"max_tokens": 17}, 400, "max_tokens_exceeded", "max_output_tokens", "max_tokens"),
     ({"stop": ["a", "b"]}, 400, "request_limit_exceeded", "max_stop_sequences", "stop"),
     (
         {
@@ -73,8 +77,59 @@ def test_within_limits_passes_and_the_tighter_of_server_and_key_wins():
     check_request(LIMITED, chat(n=2, max_tokens=16, stop="x"), LimitOptions())
     with pytest.raises(errors.APIError, match="max_n"):
         check_request(OPEN_PRINCIPAL, chat(n=3), LimitOptions(max_n=2))
-    with pytest.raises(errors.APIError, match="max_output_tokens allows at most 8"):
-        check_request(LIMITED, chat(max_tokens=9), LimitOptions(max_output_tokens=8))
+
+
+# ------------------------------------------------------------------ output budget
+
+
+def budget(requested, *, server=None, key=None, prompts=(10,), default=None, **kw):
+    return output_budget(
+        requested,
+        default=default,
+        caps=server_and_key_caps(server, key),
+        context=64,
+        prompt_lengths=list(prompts),
+        prompt_param="messages",
+        **kw,
+    )
+
+
+def test_the_output_budget_is_the_request_within_every_cap_and_the_context():
+    assert budget(16, server=32, key=16) == 16
+    with pytest.raises(errors.APIError, match="the server's limit max_output_tokens allows at mo"):
+        budget(9, server=8, key=16)
+    with pytest.raises(errors.APIError) as info:  # the key's cap, named as the key's
+        budget(17, server=32, key=16)
+    err = info.value
+    assert (err.status, err.code, err.param) == (400, "max_tokens_exceeded", "max_tokens")
+    assert "the API key's limit max_output_tokens allows at most 16" in err.message
+    with pytest.raises(errors.APIError, match="maximum context length is 64") as info:
+        budget(40, prompts=(10, 30))  # the longest prompt decides
+    assert info.value.code == "max_tokens_exceeded"
+    with pytest.raises(errors.APIError, match="leaving no room") as info:
+        budget(None, prompts=(64,))
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "messages")
+
+
+def test_without_a_request_the_budget_is_the_default_lowered_to_caps_and_room():
+    assert budget(None) == 54  # OpenAI's default: the room the prompt leaves
+    assert budget(None, server=32, key=20) == 20
+    assert budget(None, prompts=(10, 50)) == 14
+    assert budget(None, default=128, prompts=(60,)) == 4  # batch: its default, lowered to fit
+    assert budget(None, default=8) == 8
+
+
+def test_a_family_words_and_classes_its_own_refusals():
+    rules = BudgetRules("max_output_tokens", 422, "context_length_exceeded", "input")
+    with pytest.raises(errors.APIError) as info:
+        budget(60, rules=rules)
+    assert (info.value.status, info.value.code, info.value.param) == (
+        422, "context_length_exceeded", "input",
+    )  # fmt: skip
+    with pytest.raises(errors.APIError) as info:
+        budget(20, key=16, rules=rules)
+    assert (info.value.status, info.value.param) == (422, "max_output_tokens")
+    assert info.value.message.startswith("max_output_tokens is 20;")
 
 
 def test_a_model_the_key_lacks_is_403_before_anything_else():

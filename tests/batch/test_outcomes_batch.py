@@ -1,9 +1,10 @@
-"""The outcome vocabulary of `serve-app batch`, one case per row of ARCHITECTURE.md's table
-that a batch row can reach (a row has no client to cancel or to read slowly), plus a bad
-row; each row's expected status is the batch column of `/v1/server_info`'s `outcomes`.
+"""The outcome vocabulary of `serve-app batch`, one case per row of the outcome table
+(serve_app/outcomes.py) that a batch row can reach (a row has no client to cancel or to read
+slowly), plus a bad row; each row's expected status is the batch column of `/v1/server_info`'s
+`outcomes`.
 
-One pipeline run (Ray Data, as the CLI runs it) holds every constructed row; the engine-lost
-row runs the same engine callable in-process with its executor failing, as
+One pipeline run (Ray Data, as the CLI runs it) holds every constructed row; the engine-lost row
+runs the same engine callable in-process with its executor failing, as
 tests/batch/test_batch.py's recovery test does."""
 
 from __future__ import annotations

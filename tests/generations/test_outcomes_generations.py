@@ -1,6 +1,6 @@
-"""The outcome vocabulary on `/v1/generations`, one case per row of ARCHITECTURE.md's table,
-over HTTP against the session server; each row's expected status is read from
-`/v1/server_info`'s `outcomes` (the published promise, not a copy of it).
+"""The outcome vocabulary on `/v1/generations`, one case per row of the outcome table
+(serve_app/outcomes.py), over HTTP against the session server; each row's expected status is
+read from `/v1/server_info`'s `outcomes` (the published promise, not a copy of it).
 
 The tiny model's random weights choose between EOS, a JSON value and the refusal branch, so
 those rows sample in the background until the row's ending shows (bounded); the others are

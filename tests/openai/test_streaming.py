@@ -245,7 +245,7 @@ def test_completion_body_and_logprob_offsets() -> None:
         ("stop", "###", ("stop", "###")),
         ("stop", 2, ("stop", 2)),
         ("length", None, ("length", None)),
-        ("grammar_end", None, ("stop", "grammar_end")),
+        ("stop", "grammar_end", ("stop", "grammar_end")),  # how the engine signals it
         ("timeout", None, ("timeout", None)),
         ("abort", "slow_consumer", ("abort", "slow_consumer")),
     ],

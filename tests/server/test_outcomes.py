@@ -1,8 +1,8 @@
-"""The outcome vocabulary on the OpenAI endpoints, one case per row of ARCHITECTURE.md's
-table that a client can observe: a matched stop, the grammar's own end (constructed on
-purpose), max tokens and a deadline. Each of `n` constrained samples has its own matcher:
-every output's token ids (`return_token_ids`) replay through a fresh xgrammar matcher, token
-by token. The other families: tests/generations/test_outcomes_generations.py,
+"""The outcome vocabulary on the OpenAI endpoints, one case per row of the outcome table
+(serve_app/outcomes.py) that a client can observe: a matched stop, the grammar's own end
+(constructed on purpose), max tokens and a deadline. Each of `n` constrained samples has its own
+matcher: every output's token ids (`return_token_ids`) replay through a fresh xgrammar matcher,
+token by token. The other families: tests/generations/test_outcomes_generations.py,
 tests/batch/test_outcomes_batch.py."""
 
 from __future__ import annotations
