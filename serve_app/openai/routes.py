@@ -14,7 +14,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from actors.outputs import RequestOutput
 from serve_app import errors
-from serve_app.access.budgets import record_usage
 from serve_app.access.keys import principal_of
 from serve_app.access.static_limits import check_request
 from serve_app.backpressure.proxy_hold import flow_header
@@ -24,7 +23,7 @@ from serve_app.config.options import ServeConfig
 from serve_app.openai.admission import AdmittedRequest, OpenAIAdmission
 from serve_app.openai.request_ids import HEADER as REQUEST_ID_HEADER
 from serve_app.openai.request_ids import RequestIds
-from serve_app.openai.stream import observe_end, record_cancel, stream_sse
+from serve_app.openai.stream import collect_body, record_cancel, stream_sse
 from serve_app.openai.token_text import load_token_texts
 from serve_app.parsers.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.protocol import parse_request
@@ -222,27 +221,4 @@ class OpenAIHandlers:
                 gen.cancel()
 
     async def _collect(self, merged, job: AdmittedRequest) -> Response:
-        choices = job.new_choices()
-        cached = [0] * len(job.engine_requests)
-        try:
-            async for i, out in merged:
-                if out is None:
-                    for c in choices:
-                        if c.finish_reason is None:
-                            c.finish("timeout")
-                    break
-                if out.error is not None:
-                    raise errors.internal_error(f"The engine failed: {out.error}", retryable=False)
-                cached[i] = out.num_cached_tokens
-                for d in out.deltas:
-                    choices[i * job.n + d.index].add(d)
-        except asyncio.CancelledError:
-            # The key's budget settles to what was produced before the client left.
-            record_usage(job.usage(choices, cached).total_tokens)
-            raise
-        usage = job.usage(choices, cached)
-        observe_end(job, choices, usage)
-        body = job.formatter.body(choices, usage, job.choice_echo())
-        if job.on_complete is not None:
-            job.on_complete(body)
-        return JSONResponse(body)
+        return JSONResponse(await collect_body(merged, job))

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from actors.outputs import CompletionDelta, RequestOutput
 from serve_app import errors
@@ -62,14 +63,64 @@ def delta_chunks(
     return []
 
 
+@dataclass
+class Delta:
+    choice: ChoiceState
+    delta: CompletionDelta
+
+
+@dataclass
+class DeadlineReached:
+    """The request's deadline passed: `choice` was finished as `timeout`; `held` is the
+    text its parsers still held back."""
+
+    choice: ChoiceState
+    held: list
+
+
+class EngineFailed(Exception):
+    """An engine output carried an error after the first output (headers may be out)."""
+
+
+class RequestOutputs:
+    """One request's outputs, read from its merged engine streams: the one loop both response
+    modes run (the SSE writer frames each event as it comes, the JSON body collects them)."""
+
+    def __init__(self, job: AdmittedRequest) -> None:
+        self.job = job
+        self.choices = job.new_choices()
+        self.cached = [0] * len(job.engine_requests)
+
+    async def events(self, merged: Merged) -> AsyncIterator[Delta | DeadlineReached]:
+        n = self.job.n
+        async for i, out in merged:
+            if out is None:  # the deadline: every open choice ends as `timeout`
+                for c in self.choices:
+                    if c.finish_reason is None:
+                        yield DeadlineReached(c, c.finish("timeout"))
+                return
+            if out.error is not None:
+                raise EngineFailed(out.error)
+            self.cached[i] = out.num_cached_tokens
+            for d in out.deltas:
+                yield Delta(self.choices[i * n + d.index], d)
+
+    def usage(self) -> Usage:
+        return self.job.usage(self.choices, self.cached)
+
+    def settle_cancelled(self) -> None:
+        """The client left: the key's budget settles to what was produced before."""
+        record_usage(self.usage().total_tokens)
+
+
 async def stream_sse(merged: Merged, job: AdmittedRequest) -> AsyncIterator[bytes]:
     """Pull outputs from the merged engine streams and write SSE frames, one request's
     whole stream: role deltas, content, finish chunks, usage, [DONE] (or an error frame)."""
     fmt = job.formatter
-    choices = job.new_choices()
+    outputs = RequestOutputs(job)
+    choices = outputs.choices
     echo = job.choice_echo()
     state = StreamState(len(choices), include_usage=job.req.include_usage, role_first=fmt.chat)
-    cached = [0] * len(job.engine_requests)
     first_chunk: float | None = None
     num_chunks = 0
     try:
@@ -78,24 +129,15 @@ async def stream_sse(merged: Merged, job: AdmittedRequest) -> AsyncIterator[byte
                 yield state.frame_chunk(fmt.role_chunk(c.index))
             elif echo[c.index] or fmt.want_token_ids:
                 yield state.frame_chunk(fmt.echo_chunk(c.index, echo[c.index]))
-        async for i, out in merged:
-            if out is None:
-                for c in choices:
-                    if c.finish_reason is None:
-                        held = c.finish("timeout")
-                        for chunk in fmt.event_chunks(c.index, held, [], None):
-                            yield state.frame_chunk(chunk)
-                        yield state.frame_chunk(fmt.finish_chunk(c))
-                break
-            if out.error is not None:
-                err = errors.internal_error(f"The engine failed: {out.error}")
-                yield state.frame_error(err)
-                yield state.frame_done()
-                return
-            cached[i] = out.num_cached_tokens
-            for d in out.deltas:
-                c = choices[i * job.n + d.index]
-                chunks = delta_chunks(fmt, c, d, len(echo[c.index]))
+        try:
+            async for event in outputs.events(merged):
+                c = event.choice
+                if isinstance(event, DeadlineReached):
+                    for chunk in fmt.event_chunks(c.index, event.held, [], None):
+                        yield state.frame_chunk(chunk)
+                    yield state.frame_chunk(fmt.finish_chunk(c))
+                    continue
+                chunks = delta_chunks(fmt, c, event.delta, len(echo[c.index]))
                 if chunks:
                     if first_chunk is None:
                         first_chunk = time.monotonic()
@@ -105,7 +147,11 @@ async def stream_sse(merged: Merged, job: AdmittedRequest) -> AsyncIterator[byte
                     yield state.frame_chunk(chunk)
                 if c.finish_reason is not None:
                     yield state.frame_chunk(fmt.finish_chunk(c))
-        usage = job.usage(choices, cached)
+        except EngineFailed as exc:
+            yield state.frame_error(errors.internal_error(f"The engine failed: {exc}"))
+            yield state.frame_done()
+            return
+        usage = outputs.usage()
         observe_end(job, choices, usage)
         if first_chunk is not None and num_chunks > 1:
             # One observation per request (its mean gap): a metric call per token costs
@@ -118,8 +164,7 @@ async def stream_sse(merged: Merged, job: AdmittedRequest) -> AsyncIterator[byte
             yield state.frame_chunk(fmt.usage_chunk(usage))
         yield state.frame_done()
     except asyncio.CancelledError:
-        # The key's budget settles to what was produced before the client left.
-        record_usage(job.usage(choices, cached).total_tokens)
+        outputs.settle_cancelled()
         record_cancel(job)
         raise
     except Exception:
@@ -127,3 +172,23 @@ async def stream_sse(merged: Merged, job: AdmittedRequest) -> AsyncIterator[byte
         if not state.is_closed:
             yield state.frame_error(errors.internal_error("The stream failed."))
             yield state.frame_done()
+
+
+async def collect_body(merged: Merged, job: AdmittedRequest) -> dict:
+    """The same loop, collected into one response body (non-streamed requests)."""
+    outputs = RequestOutputs(job)
+    try:
+        async for event in outputs.events(merged):
+            if isinstance(event, Delta):
+                event.choice.add(event.delta)
+    except EngineFailed as exc:
+        raise errors.internal_error(f"The engine failed: {exc}", retryable=False) from None
+    except asyncio.CancelledError:
+        outputs.settle_cancelled()
+        raise
+    usage = outputs.usage()
+    observe_end(job, outputs.choices, usage)
+    body = job.formatter.body(outputs.choices, usage, job.choice_echo())
+    if job.on_complete is not None:
+        job.on_complete(body)
+    return body
