@@ -20,7 +20,7 @@ import pytest
 
 from serve_app.batch.job import BatchDefaults, run_batch
 from serve_app.batch.parquet_io import is_transient
-from serve_app.server_info import OUTCOMES
+from serve_app.outcomes import published
 
 Check = Callable[[dict[str, Any]], None]
 MAX_TOKENS = 1000  # of the deadline row: far more than its timeout lets it make
@@ -101,7 +101,7 @@ CHECKS[ENGINE_LOST] = check_lost
 def expected(cause: str) -> dict[str, Any]:
     if cause in EXPECTED_EXTRA:
         return EXPECTED_EXTRA[cause]
-    (row,) = [r for r in OUTCOMES if r["cause"] == cause]
+    (row,) = [r for r in published() if r["cause"] == cause]
     return row["batch"]
 
 
@@ -140,7 +140,7 @@ def outputs(ray_session, model, tmp_path_factory) -> dict[str, dict[str, Any]]:
 
 
 def test_every_batch_row_of_the_table_has_a_case():
-    reachable = {r["cause"] for r in OUTCOMES if r["batch"] is not None}
+    reachable = {r["cause"] for r in published() if r["batch"] is not None}
     assert reachable == (set(CASES) | {ENGINE_LOST}) - set(EXPECTED_EXTRA)
 
 
