@@ -12,11 +12,11 @@ from serve_app.backpressure import proxy_hold as proxy_flow
 from serve_app.checkpoints.prompt_encoding import TOKENIZATION_RULES
 from serve_app.config.options import ServeConfig
 from serve_app.config.profiles import generations_info
-from serve_app.generations.protocol import MAX_IDEMPOTENCY_KEY_CHARS
 from serve_app.openai.request_ids import MAX_ID_CHARS
 from serve_app.parsers.chat_output import DEFAULT_TOOL_PARSER
 from serve_app.parsers.reasoning import ThinkReasoningParser
 from serve_app.parsers.tools import parser_versions
+from serve_app.resources.idempotency import MAX_IDEMPOTENCY_KEY_CHARS
 
 # Fields that change nothing here: accepted and ignored (never one that changes output).
 IGNORED_FIELDS = ["user", "metadata", "store", "service_tier"]

@@ -28,8 +28,9 @@ from serve_app.config.profiles import (
 from serve_app.generations.protocol import GenerationCreate
 from serve_app.grammar.spec import GrammarSpec
 from serve_app.resources.admitted import AdmittedGeneration
+from serve_app.resources.idempotency import key_record
 from serve_app.resources.resource import new_generation_id, usage
-from serve_app.store.base import ConversationTurn, GenerationRecord, IdempotencyKey, Store
+from serve_app.store.base import ConversationTurn, GenerationRecord, Store
 
 OPERATION = "generations.create"
 
@@ -112,8 +113,8 @@ class GenerationAdmission:
             principal.tenant, self.config.engine.shared_prefix_tenants
         )
         if key is not None:
-            expires_at = time.time() + self.options.idempotency_ttl_s
-            plan.idempotency = IdempotencyKey(OPERATION, key, req.body_hash(), expires_at)
+            ttl_s = self.options.idempotency_ttl_s
+            plan.idempotency = key_record(OPERATION, key, req.body_hash(), ttl_s)
         await self._reserve(request, principal, plan, max_output)
         return plan
 

@@ -1,5 +1,5 @@
 """Request bodies of `/v1/generations` and `/v1/conversations` (strict: unknown fields are a
-400 naming the field), and the normalized form an Idempotency-Key is recorded with."""
+400 naming the field), and the normalized form an Idempotency-Key is recorded with (`body_hash`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from serve_app import errors
 from serve_app.protocol.parsing import from_validation_error, load_json_object
 
 MAX_MESSAGES = 256
-MAX_IDEMPOTENCY_KEY_CHARS = 255
 
 
 class Strict(BaseModel):
@@ -70,15 +69,3 @@ def parse_body(model: type[Strict], body: bytes) -> Any:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc, data) from None
-
-
-def idempotency_key(header: str | None) -> str | None:
-    if header is None:
-        return None
-    key = header.strip()
-    if not key or len(key) > MAX_IDEMPOTENCY_KEY_CHARS or not key.isprintable():
-        raise errors.invalid_request(
-            f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable characters",
-            "Idempotency-Key",
-        )
-    return key

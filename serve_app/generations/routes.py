@@ -28,7 +28,9 @@ from serve_app.access.keys import principal_of
 from serve_app.config.options import ServeConfig
 from serve_app.generations.admission import GenerationAdmission, conversation_not_found
 from serve_app.generations.conversations import ConversationsAPI
-from serve_app.generations.protocol import GenerationCreate, idempotency_key, parse_body
+from serve_app.generations.protocol import GenerationCreate, parse_body
+from serve_app.resources.idempotency import HEADER as IDEMPOTENCY_HEADER
+from serve_app.resources.idempotency import REPLAYED_HEADER, idempotency_key, key_reused
 from serve_app.resources.resource import resource_json
 from serve_app.resources.runner import GenerationRunner
 from serve_app.resources.running import Event, RunningGeneration
@@ -109,7 +111,7 @@ class GenerationsAPI:
         if len(body) > self.config.limits.max_body_bytes:
             raise errors.body_too_large(self.config.limits.max_body_bytes)
         req: GenerationCreate = parse_body(GenerationCreate, body)
-        key = idempotency_key(request.headers.get("idempotency-key"))
+        key = idempotency_key(request.headers.get(IDEMPOTENCY_HEADER))
         plan = await self.admission.admit(request, req, key)
         result, live = await self.runner.submit(plan, subscribe=req.execution == "stream")
         return await self._answer(req, result, live, request.scope.get("root_path", ""))
@@ -139,11 +141,7 @@ class GenerationsAPI:
     ) -> Response:
         outcome = result.outcome
         if outcome is InsertOutcome.KEY_REUSED:
-            raise errors.conflict(
-                "idempotency_key_reused",
-                "This Idempotency-Key was used with a different request; use a new key for "
-                "new work.",
-            )
+            raise key_reused()
         if outcome is InsertOutcome.CONVERSATION_NOT_FOUND:
             assert req.conversation is not None
             raise conversation_not_found(req.conversation.id)
@@ -180,7 +178,7 @@ class GenerationsAPI:
         if req.execution == "sync" and live is not None:
             record = await asyncio.shield(live.done)
         location = f"{root}/v1/generations/{record.id}"
-        headers = {"Location": location, "Idempotent-Replayed": "true"}
+        headers = {"Location": location, REPLAYED_HEADER: "true"}
         status = 202 if req.execution == "background" and not record.is_terminal else 200
         return JSONResponse(resource_json(record), status_code=status, headers=headers)
 

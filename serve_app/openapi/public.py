@@ -16,7 +16,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from serve_app.generations.protocol import (
-    MAX_IDEMPOTENCY_KEY_CHARS,
     ConversationCreate,
     GenerationCreate,
 )
@@ -49,6 +48,7 @@ from serve_app.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from serve_app.resources.idempotency import MAX_IDEMPOTENCY_KEY_CHARS
 
 PATH = "/openapi.json"
 TITLE = "serve-app"
