@@ -212,3 +212,25 @@ def test_shipped_tools_template_renders_the_models_own_chats_and_tools(trained_d
     text = tokenizer.decode(service.render_chat(CHATS[0], tools=[tool]))
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_tools_are_refused_naming_the_template_when_it_cannot_render_them(trained_dir, tmp_path):
+    """SmolLM2's own template, given as --chat-template FILE, renders no tools: a request's
+    `tools` is a 400 naming the file, never silently dropped; without tools it renders."""
+    from serve_app import errors
+    from serve_app.checkpoints.chat_templates import resolve_chat_template
+    from serve_app.workers.tokenizer import TokenizerService
+
+    own = tmp_path / "smollm2_own.jinja"
+    own.write_text((trained_dir / "chat_template.jinja").read_text())
+    service = TokenizerService(
+        str(trained_dir), vocab_size=49152, template=resolve_chat_template(str(own), None)
+    )
+    assert service.renders_tools is False
+    assert service.render_chat(CHATS[0])  # a plain chat still renders
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    with pytest.raises(errors.APIError) as info:
+        service.render_chat(CHATS[0], tools=[tool])
+    err = info.value
+    assert (err.status, err.code, err.param) == (400, "unsupported_parameter", "tools")
+    assert "smollm2_own.jinja" in err.message and err.headers["x-should-retry"] == "false"

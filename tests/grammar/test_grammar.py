@@ -132,7 +132,7 @@ XGRAMMAR_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\]|\.cc\b")
     ("kind", "spec", "reason"),
     [
         ("regex", "[abc", "Regex parsing error at position 5: Unclosed '['"),
-        ("json_schema", '{"type": "nonsense"}', 'Unsupported type "nonsense"'),
+        ("json_schema", '{"type": "nonsense"}', "'nonsense' is not a JSON Schema type"),
         ("ebnf", 'root ::= "a" |', "EBNF parser error at line 1"),
         ("json_schema", "{not json", "JSON schema is not valid JSON"),
         ("json_schema", "[1, 2]", "must be an object or a boolean"),

@@ -1,13 +1,12 @@
 """The trained demo model served as `make serve` serves it (`--model FILE.gguf` with the shipped
 tool-capable template), checked as a user would: answers in English, schemas filled sensibly,
-seeded samples, stop strings, a forced tool call, and the served identity naming the GGUF. And a
-template that cannot render tools: `tools` is refused, never dropped."""
+seeded samples, stop strings, a forced tool call, and the served identity naming the GGUF. (A
+template that cannot render tools refuses `tools`: tests/checkpoints/test_trained_model.py.)"""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -130,32 +129,3 @@ def test_a_forced_tool_call_has_plausible_arguments(client):
     (call,) = reply.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     assert "Paris" in json.loads(call.function.arguments)["city"]
-
-
-def test_tools_are_refused_when_the_template_cannot_render_them(
-    serve_url, ray_session, model_dirs, trained_dir, tmp_path_factory
-):
-    """The tiny model served with SmolLM2's own template, which renders no tools."""
-    folder = tmp_path_factory.mktemp("no-tools-template")
-    template = Path(folder) / "smollm2_own.jinja"
-    template.write_text((trained_dir / "chat_template.jinja").read_text())
-    config = side_config(
-        model_dirs("llama"), "tiny-no-tools", folder / "data", chat_template=str(template)
-    )
-    with side_app(config, "serve-app-no-tools", "/no-tools", serve_url, ray_session) as (url, _):
-        body = {"model": "tiny-no-tools", "messages": PARIS, "max_tokens": 4}
-        plain = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-        assert plain.status_code == 200, plain.text
-        r = httpx.post(
-            f"{url}/v1/chat/completions", json={**body, "tools": [WEATHER_TOOL]}, timeout=60
-        )
-        info = httpx.get(f"{url}/v1/server_info", timeout=30).json()
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert (error["code"], error["param"]) == ("unsupported_parameter", "tools")
-    assert "smollm2_own.jinja" in error["message"]
-    assert r.headers["x-should-retry"] == "false"
-    assert info["tool_calling"]["chat_template_renders_tools"] is False
-    assert info["artifact"]["chat_template_sha256"] == (
-        hashlib.sha256(template.read_bytes()).hexdigest()
-    )
