@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app import errors
-from serve_app.access.keys import Principal
+from serve_app.access.keys import Principal, principal_of
 from serve_app.access.ledger import LEDGER_NAMESPACE, UsageLedger, Verdict, ledger_name
 from serve_app.named_actors import get_or_create
 
@@ -168,8 +168,6 @@ LIMITER_STATE_KEY = "limiter"
 async def reserve_budget(request: Any, req: Any, prompts: list[list[int]], max_tokens: int) -> None:
     """After the output budget is decided, before the engine: reserve against the key's
     budgets (its prompt tokens plus the most every choice may generate), or 429."""
-    from serve_app.access.keys import principal_of
-
     limiter = (request.scope.get("state") or {}).get(LIMITER_STATE_KEY)
     if limiter is not None:
         max_new = max_tokens * (req.n or 1) * len(prompts)

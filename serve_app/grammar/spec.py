@@ -80,11 +80,17 @@ class GrammarSpec:
             pass
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | bool) -> GrammarSpec:
-        spec = cls.__new__(cls)  # already parsed: canonicalise once, skip the text round trip
-        object.__setattr__(spec, "kind", "json_schema")
-        object.__setattr__(spec, "spec", schema_json(schema))
+    def _canonical(cls, kind: GrammarKind, text: str) -> GrammarSpec:
+        """A spec whose text is canonical already (built from a parsed value): no second
+        parse and dump in `__post_init__`."""
+        spec = cls.__new__(cls)
+        object.__setattr__(spec, "kind", kind)
+        object.__setattr__(spec, "spec", text)
         return spec
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool) -> GrammarSpec:
+        return cls._canonical("json_schema", schema_json(schema))
 
     @classmethod
     def json_object(cls) -> GrammarSpec:
@@ -92,10 +98,7 @@ class GrammarSpec:
 
     @classmethod
     def choice(cls, choices: list[str]) -> GrammarSpec:
-        spec = cls.__new__(cls)
-        object.__setattr__(spec, "kind", "choice")
-        object.__setattr__(spec, "spec", _choices_json(choices))
-        return spec
+        return cls._canonical("choice", _choices_json(choices))
 
     @classmethod
     def tool_calls(

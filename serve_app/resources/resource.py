@@ -69,8 +69,10 @@ def settle(
     structured = output_format != TEXT_FORMAT
     # Partial text is shown for text only: a structured value is all or nothing.
     partial = [] if structured else text_blocks(text)
-    status, finish = outcomes.generation_end("abort" if cancelled else engine_finish or "")
-    if status == "failed" or (status == "cancelled" and not cancelled):  # not the client's
+    # An abort the client did not ask for is the engine dropping the generation.
+    ending = "abort" if cancelled else "error" if engine_finish == "abort" else engine_finish
+    status, finish = outcomes.generation_end(ending or "")
+    if status == "failed":
         return failed("engine_lost", f"the engine ended the generation ({engine_finish})")
     if status != "completed":  # cancelled, or incomplete (output limit, deadline)
         return Outcome(status, finish, partial)
