@@ -1,8 +1,7 @@
 """Token ids -> the text and exact bytes each token stands for (for logprobs).
 
-Read with the `tokenizers` library from the checkpoint's `tokenizer.json`: the ingress never
-imports transformers (which imports torch). A checkpoint with only a slow tokenizer falls
-back to transformers' AutoTokenizer.
+Read with the `tokenizers` library from the checkpoint's `tokenizer.json`
+(actors/tokenizer_file.py): the ingress never imports transformers (which imports torch).
 """
 
 from __future__ import annotations
@@ -10,6 +9,8 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from actors.tokenizer_file import load_backend_tokenizer
 
 
 @lru_cache(maxsize=1)
@@ -64,11 +65,4 @@ class _FastTokenizer:
 
 
 def load_token_texts(model_dir: str | Path) -> TokenTexts:
-    path = Path(model_dir) / "tokenizer.json"
-    if path.is_file():
-        from tokenizers import Tokenizer
-
-        return TokenTexts(_FastTokenizer(Tokenizer.from_file(str(path))))
-    from transformers import AutoTokenizer  # a slow tokenizer only: this imports torch
-
-    return TokenTexts(AutoTokenizer.from_pretrained(str(model_dir)))
+    return TokenTexts(_FastTokenizer(load_backend_tokenizer(model_dir)))

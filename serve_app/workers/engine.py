@@ -15,6 +15,7 @@ from actors.grammar_cache import CompiledGrammarCache, load_tokenizer_info
 from actors.messages import EngineRequest
 from actors.outputs import RequestOutput
 from actors.platform import describe, resolve_dtype
+from actors.tokenizer_file import load_backend_tokenizer
 from actors.torch_thread import favour_step_thread
 from serve_app.backpressure.stalled_streams import StallWatcher
 from serve_app.config.options import ServeConfig
@@ -35,19 +36,18 @@ def build_model_config(config: ServeConfig) -> ModelConfig:
 class EngineService:
     def __init__(self, config: ServeConfig):
         import torch
-        from transformers import AutoTokenizer
 
         e = config.engine
         # Ray pins actors to one OpenMP thread per requested CPU; the engine uses them all.
         torch.set_num_threads(max(1, int(e.replica_cpus)))
         favour_step_thread()
         self.model_config = build_model_config(config)
-        tokenizer = AutoTokenizer.from_pretrained(config.model)
+        tokenizer = load_backend_tokenizer(config.model)
 
         def build_core() -> EngineCore:
             core = EngineCore(
                 self.model_config,
-                tokenizer.backend_tokenizer,
+                tokenizer,
                 CacheConfig(
                     block_size=e.block_size,
                     memory_budget_bytes=e.kv_cache_bytes,
