@@ -125,9 +125,17 @@ def admin_deployment(config: ServeConfig) -> Application:
     )
 
 
-def build_app(config: ServeConfig) -> Application:
+def app_identity(config: ServeConfig) -> dict[str, Any]:
+    """What `/v1/server_info` names: the artifact's hashes and the grammar backend's probe."""
+    return served_identity(config, {"grammar": probe_grammar_backend(config)})
+
+
+def build_app(config: ServeConfig, identity: dict[str, Any] | None = None) -> Application:
+    """The graph for `config`; `identity` is `app_identity(config)`, computed here unless the
+    caller has it already (serve_app/server.py computes it while Ray starts)."""
     model_config = build_model_config(config)
-    identity = served_identity(config, {"grammar": probe_grammar_backend(config)})
+    if identity is None:
+        identity = app_identity(config)
     tokenizer = serve.deployment(
         TokenizerService,
         name="tokenizer",

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from serve_app import ray_env
 from serve_app.backpressure import proxy_hold as proxy_flow
@@ -43,18 +44,25 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     import ray
     from ray import serve
 
-    from serve_app.app import APP_NAME, build_app, engine_placement
     from serve_app.placement import wait_deployed
 
     starts_ray = not ray.is_initialized() and not config.ray_address
     if starts_ray:
         # Before Ray starts: its proxy and replicas inherit this process's environment.
         ray_env.prepare()
-    if not ray.is_initialized():
-        if config.ray_address:
-            ray.init(address=config.ray_address, log_to_driver=False)
-        else:
-            _init_local_ray(ray_init_kwargs or {})
+    # The app's modules (torch, xgrammar, transformers) and its identity (weight hashes, the
+    # grammar backend's probe) cost the driver seconds of CPU; they need no Ray, so they are
+    # done while Ray starts.
+    with ThreadPoolExecutor(1, thread_name_prefix="build-app") as pool:
+        identity = pool.submit(_app_identity, config)
+        if not ray.is_initialized():
+            if config.ray_address:
+                ray.init(address=config.ray_address, log_to_driver=False)
+            else:
+                _init_local_ray(ray_init_kwargs or {})
+        identity = identity.result()
+    from serve_app.app import APP_NAME, build_app, engine_placement
+
     _quiet_serve_driver_log()
     # NOTE: one proxy, on the head: the public address of a cluster is its head node.
     serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port})
@@ -62,13 +70,19 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     if not (proxy_flow.is_enabled() if starts_ray else ray_env.head_has_proxy_hook()):
         logger.warning(proxy_flow.MISSING_HOOK_WARNING)
     # Not `serve.run`: it waits for RUNNING, for ever when a replica cannot be placed.
-    target = serve.RunTarget(build_app(config), name=APP_NAME, route_prefix="/")
+    target = serve.RunTarget(build_app(config, identity), name=APP_NAME, route_prefix="/")
     serve.run_many([target], wait_for_applications_running=False)
     wait_deployed(APP_NAME, config, engine_placement(config))
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     url = f"http://{host}:{config.port}"
     wait_healthy(url, timeout_s=120)
     return url
+
+
+def _app_identity(config: ServeConfig) -> dict:
+    from serve_app.app import app_identity
+
+    return app_identity(config)
 
 
 def choose_local_auth_mode() -> None:
