@@ -104,6 +104,27 @@ def test_the_gguf_file_loads_as_its_converted_folder(llm, trained_gguf, trained_
     assert source.gguf_quant_type == "Q4_1"
 
 
+def test_serving_the_gguf_file_serves_its_folder_and_names_the_file(trained_gguf, trained_dir):
+    """`serve-app serve --model FILE.gguf --chat-template FILE`: what /v1/server_info names."""
+    from serve_app.app import served_identity
+    from serve_app.checkpoints.chat_templates import shipped_template_path
+    from serve_app.checkpoints.identity import weights_hash
+    from serve_app.config.options import ServeConfig
+
+    template = shipped_template_path("smollm2_tools.jinja")
+    config = ServeConfig(model=str(trained_gguf), chat_template=str(template))
+    assert config.model == str(trained_dir)
+    assert config.model_id == "SmolLM2-135M-Instruct.Q4_1"  # the file's stem
+    identity = served_identity(config, {})
+    assert identity["gguf_sha256"] == hashlib.sha256(trained_gguf.read_bytes()).hexdigest()
+    assert identity["gguf_quant_type"] == "Q4_1"
+    assert identity["weights_sha256"] == weights_hash(trained_dir)
+    assert identity["chat_template_sha256"] == hashlib.sha256(template.read_bytes()).hexdigest()
+    assert identity["chat_template_source"] == "smollm2_tools.jinja"
+    assert identity["chat_template_renders_tools"] is True
+    assert identity["model"] == "SmolLM2-135M-Instruct.Q4_1"
+
+
 # GGUF tensor -> converted name, one per quantization type in the file (Q8_0, Q4_1, F32).
 SAMPLED_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
