@@ -317,10 +317,14 @@ class EngineCore:
     def _expire_deadlines(self) -> None:
         """A request past its deadline ends: `timeout` once it produced output, else it was
         never going to start in time (`deadline_unmeetable`), as is one still waiting to be
-        scheduled after the server's maximum queue time."""
+        scheduled after the server's maximum queue time. A request preempted after its first
+        token is back in the queue, but has started: the queue time no longer applies."""
         for request_id in self.deadlines.expired_in_queue():
             state = self.requests.get(request_id)
-            if state is not None and not any(s.num_computed_tokens for s in state.seqs):
+            started = state is not None and any(
+                s.num_computed_tokens or s.num_output_tokens for s in state.seqs
+            )
+            if state is not None and not started:
                 message = "the request waited longer than the server's maximum queue time"
                 self.abort(request_id, FinishReason.ERROR, message, "deadline_unmeetable")
         for request_id in self.deadlines.expired():

@@ -118,3 +118,32 @@ def test_prefill_logits_match_transformers_at_every_position(arch_setup):
     with torch.no_grad():
         theirs = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=2e-4)
+
+
+def test_a_preempted_request_that_streamed_is_not_ended_by_the_queue_time(model_dirs):
+    """The maximum queue time is for requests that never started: one preempted (back in the
+    queue, its KV freed) after its first tokens runs to the end."""
+    llm = LLM(model=str(model_dirs("llama")), max_num_seqs=8, num_kv_blocks=12)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"q{i}", list(range(10 + i, 50 + i)), params)
+    finished: dict[str, object] = {}
+    while engine.has_unfinished():
+        if engine.stats()["num_preemptions"]:
+            # The queue time of every request that has streamed is up from here on.
+            streamed = [
+                rid
+                for rid, state in engine.requests.items()
+                if any(s.num_output_tokens for s in state.seqs)
+            ]
+            engine.deadlines.queue_deadlines.update(dict.fromkeys(streamed, 0.0))
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert engine.stats()["num_preemptions"] > 0, "the setup should have forced preemption"
+    assert len(finished) == 6
+    assert all(out.error is None for out in finished.values()), [
+        (rid, out.error) for rid, out in finished.items() if out.error
+    ]
+    assert llm.stats()["kv_blocks_used"] == 0
