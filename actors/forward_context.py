@@ -51,6 +51,9 @@ class DecodeBucket:
     reuse: bool = False
     fresh_pos: torch.Tensor | None = None
     fresh_rows: torch.Tensor | None = None
+    # `mask` laid out as the scores are, (kv_heads * b, group, slots): built by the first
+    # layer that attends this bucket, read by the rest.
+    score_mask: torch.Tensor | None = None
 
 
 @dataclass

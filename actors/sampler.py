@@ -38,6 +38,13 @@ class Sampler:
         bitmask: torch.Tensor | None = None,
         bitmask_rows: list[int] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        if _plain_greedy(states, bitmask_rows if bitmask is not None else None):
+            # Nothing to mask, penalise or report: the argmax of the logits as they are (no
+            # fp32 copy of a batch x vocab tensor, no all-masked check).
+            token_list = logits.argmax(dim=-1).tolist()
+            for t, s in zip(token_list, states, strict=True):
+                s.output_token_ids.append(t)
+            return token_list, None
         # A copy: penalties and masks below write in place, never into the caller's tensor.
         logits = logits.to(device="cpu", dtype=torch.float32, copy=True)
         want_logprobs = any(s.params.logprobs is not None for s in states)
@@ -110,6 +117,16 @@ class Sampler:
                 noise[i].exponential_(generator=s.generator)
         drawn = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, tokens, drawn)
+
+
+def _plain_greedy(states: list[SeqSamplingState], bitmask_rows: list[int] | None) -> bool:
+    return not bitmask_rows and all(
+        s.params.is_greedy
+        and not s.params.needs_penalties
+        and s.params.logprobs is None
+        and len(s.output_token_ids) >= s.params.min_tokens
+        for s in states
+    )
 
 
 def _top_filter(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:

@@ -137,11 +137,11 @@ class TorchPagedAttention(AttentionBackend):
         vs = v_flat.view(h_kv * b, num_slots, d)
         # (b, heads, d) -> (kv_heads * b, group, d): GQA as rows, no K/V expansion.
         qg = q.view(b, h_kv, self.group, d).transpose(0, 1).reshape(h_kv * b, self.group, d)
-        mask = bucket.mask.unsqueeze(1).expand(b, self.group, num_slots)
-        mask = mask.unsqueeze(0).expand(h_kv, b, self.group, num_slots)
-        scores = torch.baddbmm(
-            mask.reshape(h_kv * b, self.group, num_slots), qg, ks.transpose(1, 2), alpha=self.scale
-        )
+        if bucket.score_mask is None:  # the same for every layer: built at the first
+            mask = bucket.mask.unsqueeze(1).expand(b, self.group, num_slots)
+            mask = mask.unsqueeze(0).expand(h_kv, b, self.group, num_slots)
+            bucket.score_mask = mask.reshape(h_kv * b, self.group, num_slots)
+        scores = torch.baddbmm(bucket.score_mask, qg, ks.transpose(1, 2), alpha=self.scale)
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         o = torch.bmm(probs, vs)  # (kv_heads * b, group, d)
         return o.view(h_kv, b, self.group * d).transpose(0, 1).reshape(b, -1)

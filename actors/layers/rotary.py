@@ -37,13 +37,20 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)  # (max_position, head_dim / 2)
         self.register_buffer("cos", (freqs.cos() * scale), persistent=False)
         self.register_buffer("sin", (freqs.sin() * scale), persistent=False)
+        # Every layer of a step rotates at the same positions: look them up once per step.
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (num_tokens, num_heads, head_dim); k: (num_tokens, num_kv_heads, head_dim)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        rows = self._rows
+        # NOTE: `is`, not equality: the step's one positions tensor, kept alive by the cache
+        # itself, so a later step's tensor can never pass for it.
+        if rows is None or rows[0] is not positions:
+            rows = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+            self._rows = rows
+        _, cos, sin = rows
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
