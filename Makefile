@@ -60,12 +60,17 @@ bench: $(STAMP) demo-model
 	@echo "==> benchmarks on $(DEMO_PRESET), then on the seeded bench shape; results in $(R)/"
 	$(PY) benchmarks/engine.py --out $(R)/engine.json
 	$(PY) benchmarks/engine.py --model bench --out $(R)/engine_bench.json
+	$(PY) benchmarks/ideal_step.py --threads 1 --out $(R)/ideal_step.json
+	$(PY) benchmarks/ideal_step.py --model bench --threads 1 --out $(R)/ideal_step_bench.json
 	$(PY) benchmarks/serving.py --out $(R)/serving.json
 	$(PY) benchmarks/serving.py --model bench --out $(R)/serving_bench.json
 	$(PY) benchmarks/serving.py --replicas 1,2 --out $(R)/replicas.json
+	# The peer that counts: vLLM's CPU build (its own venv under ~/.cache/serve-app/peers/,
+	# installed on first use), one compute thread each, fp32 and bf16; transformers beside.
 	$(PY) benchmarks/peer.py --out $(R)/peer.json
 	$(PY) benchmarks/peer.py --model bench --out $(R)/peer_bench.json
-	$(PY) benchmarks/peer.py --dtype bfloat16 --out $(R)/peer_bf16.json
+	$(PY) benchmarks/peer.py --dtype bfloat16 --no-offline --out $(R)/peer_bf16.json
+	$(PY) benchmarks/peer.py --peer transformers --threads 2 --out $(R)/peer_transformers.json
 	$(PY) benchmarks/batch.py --out $(R)/batch.json
 	$(PY) benchmarks/batch.py --model bench --out $(R)/batch_bench.json
 	$(PY) benchmarks/lifecycle.py --out $(R)/lifecycle.json

