@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import resolve_model, write_json  # noqa: E402
-from step_breakdown import _fill  # noqa: E402
+from step_breakdown import fill_decoding  # noqa: E402
 
 from actors import LLM  # noqa: E402
 from actors.config import ModelConfig  # noqa: E402
@@ -90,7 +90,7 @@ def ours_step_ms(path: str, batch: int, context: int, steps: int, kv_bytes: int)
     llm = LLM(model=path, max_model_len=context + steps + 64, kv_cache_bytes=kv_bytes)
     try:
         engine = llm.engine
-        _fill(engine, batch, context, engine.model_config.vocab_size, "ideal")
+        fill_decoding(engine, batch, context, engine.model_config.vocab_size, "ideal")
         for _ in range(3):  # warm-up decode steps
             engine.step()
         start = time.perf_counter()

@@ -38,45 +38,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 import vllm_peer  # noqa: E402
 from common import (  # noqa: E402
     DEFAULT_MODEL,
-    Timer,
     closed_loop,
     free_port,
-    mixed_requests,
     percentile,
     resolve_model,
     stream_summary,
     text_prompts,
+    tree_cpu_seconds,
     venv_tool,
     write_json,
 )
 
 Prompt = tuple[str, int]  # text, its length in the checkpoint's tokens
-
-
-def tree_cpu_seconds(root: int) -> float:
-    """user + system CPU seconds of `root` and every process under it, from /proc."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        pid = int(entry.name)
-        parents[pid] = int(fields[1])
-        times[pid] = (int(fields[11]) + int(fields[12])) / tick
-    total = 0.0
-    for pid, seconds in times.items():
-        p = pid
-        while p and p != root:
-            p = parents.get(p, 0)
-        if p == root:
-            total += seconds
-    return total
 
 
 class ServerProcess:
@@ -317,7 +290,6 @@ def plot(result: dict, path: str) -> None:
 VLLM_TOK_S_TARGETS = {1: 1.0, 4: 1.0, 16: 1.1, 64: 1.1}
 VLLM_OFFLINE_TARGET = 1.2
 TRANSFORMERS_TOK_S_TARGET_AT_16 = 1.5
-OFFLINE_REQUESTS = 64
 
 
 def vllm_targets(rows: list[dict], offline: dict | None) -> dict:
@@ -346,39 +318,6 @@ def vllm_targets(rows: list[dict], offline: dict | None) -> dict:
         offline is None or out["engine_to_engine"]["met"]
     )
     return out
-
-
-def offline_engines(path: str, threads: int, dtype: str) -> dict:
-    """Ours and vLLM's offline `LLM.generate` on the same 64 mixed requests (prompts 16-512
-    tokens, outputs 16-256, every request exactly its max_tokens), one after the other."""
-    import torch
-    from transformers import AutoConfig
-
-    from actors import LLM, SamplingParams
-
-    vocab = AutoConfig.from_pretrained(path).vocab_size
-    requests = mixed_requests(OFFLINE_REQUESTS, vocab)
-    torch.set_num_threads(threads)
-    with LLM(model=path, dtype=dtype, max_model_len=2048) as llm:
-        warm = SamplingParams(max_tokens=8, temperature=0)
-        llm.generate([p for p, _ in requests[:2]], warm)
-        params = [
-            SamplingParams(max_tokens=m, min_tokens=m, temperature=0, ignore_eos=True)
-            for _, m in requests
-        ]
-        with Timer() as t:
-            results = llm.generate([p for p, _ in requests], params)
-    tokens = sum(len(r.outputs[0].token_ids) for r in results)
-    ours = {"seconds": t.seconds, "output_tokens": tokens, "tok_s": tokens / t.seconds}
-    theirs = vllm_peer.offline(requests, path, threads, dtype)
-    return {
-        "requests": OFFLINE_REQUESTS,
-        "prompt_tokens_range": [16, 512],
-        "output_tokens_range": [16, 256],
-        "ours": ours,
-        "vllm": theirs,
-        "ratio": ours["tok_s"] / theirs["tok_s"],
-    }
 
 
 def main() -> None:
@@ -456,7 +395,7 @@ def main() -> None:
     if vllm:
         offline = None
         if not args.no_offline and not args.quick:
-            offline = offline_engines(path, args.threads, args.dtype)
+            offline = vllm_peer.engine_to_engine(path, args.threads, args.dtype)
             result["engine_to_engine"] = offline
         result["targets"] = vllm_targets(result["ours_over_theirs"], offline)
     else:

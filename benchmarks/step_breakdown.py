@@ -84,7 +84,7 @@ def probes(runner):
                 delattr(obj, attr)
 
 
-def _fill(engine, batch: int, prompt_len: int, vocab: int, tag: str) -> None:
+def fill_decoding(engine, batch: int, prompt_len: int, vocab: int, tag: str) -> None:
     """`batch` sequences, all past prefill, each with room for many more tokens."""
     import random
 
@@ -103,7 +103,7 @@ def breakdown(llm: LLM, batch: int, steps: int, prompt_len: int) -> dict:
     runner = engine.executor.worker.runner
     vocab = llm.engine.model_config.vocab_size
     tag = f"b{batch}"
-    _fill(engine, batch, prompt_len, vocab, tag)
+    fill_decoding(engine, batch, prompt_len, vocab, tag)
     for _ in range(3):  # warm-up decode steps
         engine.step()
     start = time.perf_counter()

