@@ -1,4 +1,5 @@
-"""The engine step: schedule -> grammar masks -> execute (forward + sample) -> postprocess.
+"""The engine step: schedule -> execute (forward, the grammar masks filling meanwhile on
+their own thread, then sample) -> postprocess.
 
 Not thread-safe: one thread drives `step`; other threads talk to it through the caller's
 queue (the Serve engine deployment owns that loop).
@@ -22,7 +23,7 @@ from actors.deadlines import (
 )
 from actors.detokenizer import IncrementalDetokenizer
 from actors.executor import ExecutorError, make_executor
-from actors.grammar_state import allocate_bitmask
+from actors.grammar_state import MaskFiller
 from actors.kv_cache import BlockManager
 from actors.messages import NewSeqData, ScheduledItem, StepInput, StepOutput, TokenLogprobs
 from actors.outputs import CompletionDelta, RequestOutput
@@ -97,6 +98,7 @@ class EngineCore:
         # Called with each sequence's queue time (arrival to first scheduled step).
         self.on_queue_time: Callable[[float], None] | None = None
         self.deadlines = DeadlineTracker()
+        self.masks = MaskFiller(model_config.vocab_size)
         # Set once a worker failed: the engine then refuses work and reports unhealthy.
         self.dead: str | None = None
 
@@ -264,8 +266,9 @@ class EngineCore:
             return outputs
         step_input = self._build_step_input(sched)
         started = time.perf_counter()
+        masks = self.masks.start([s.seq.constraint for s in sched.scheduled if s.will_sample])
         try:
-            result = self.executor.execute(step_input)
+            result = self.executor.execute(step_input, masks)
         except ExecutorError as exc:
             logger.error("engine step failed; failing %d requests: %s", len(self.requests), exc)
             return outputs + self.fail_all(str(exc))
@@ -301,18 +304,7 @@ class EngineCore:
             )
         step = StepInput(items, self._new_seqs, self._finished_seq_ids)
         self._new_seqs, self._finished_seq_ids = [], []
-        self._fill_grammar_masks(sched, step)
         return step
-
-    def _fill_grammar_masks(self, sched: SchedulerOutput, step: StepInput) -> None:
-        sampled = [s.seq for s in sched.scheduled if s.will_sample]
-        rows = [i for i, seq in enumerate(sampled) if seq.constraint is not None]
-        if not rows:
-            return
-        bitmask = allocate_bitmask(len(sampled), self.model_config.vocab_size)
-        for row in rows:
-            sampled[row].constraint.fill_bitmask(bitmask, row)
-        step.bitmask, step.bitmask_rows = bitmask, rows
 
     def _expire_deadlines(self) -> None:
         """A request past its deadline ends: `timeout` once it produced output, else it was
@@ -431,4 +423,5 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        self.masks.close()
         self.executor.shutdown()

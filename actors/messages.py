@@ -44,10 +44,16 @@ class StepInput:
     items: list[ScheduledItem]
     new_seqs: list[NewSeqData] = field(default_factory=list)
     finished_seq_ids: list[str] = field(default_factory=list)
-    # (num_sampled, ceil(vocab / 32)) int32 xgrammar bitmask rows, for `bitmask_rows` only;
-    # rows index the sampled items in order.
-    bitmask: torch.Tensor | None = None
-    bitmask_rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class GrammarMasks:
+    """One step's grammar masks, sent after its StepInput (they fill while the forward runs):
+    (num_sampled, ceil(vocab / 32)) int32 xgrammar bitmask rows, of which only `rows`
+    (indices into the step's sampled items, in order) apply."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
 
 
 @dataclass

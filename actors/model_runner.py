@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from actors.config import CacheConfig, ModelConfig
@@ -12,7 +14,13 @@ from actors.forward_context import (
     set_forward_context,
 )
 from actors.layers.attention import TorchPagedAttention
-from actors.messages import ScheduledItem, StepInput, StepOutput
+from actors.messages import (
+    GrammarMasks,
+    PromptLogprobsChunk,
+    ScheduledItem,
+    StepInput,
+    StepOutput,
+)
 from actors.models.loader import build_model
 from actors.parallel_state import get_tp_group
 from actors.platform import kv_cache_budget_bytes, persistent_decode_gather
@@ -26,6 +34,15 @@ _BUCKET_MIN_SIZE = 4
 # 128 rows of 16-256-token prompts and 16-256 new tokens (batch 64), 1.0 made LLM.generate
 # 699-742 tok/s against 628-671 at 0.25.
 _KEPT_GATHER_SHARE = 1.0
+
+
+@dataclass
+class _Pending:
+    """A step between `forward` and `sample`."""
+
+    step: StepInput
+    logits: torch.Tensor | None = None
+    prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -49,6 +66,7 @@ class ModelRunner:
         self.head_offsets = torch.zeros(0, dtype=torch.long)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, seed)
         self.states: dict[str, SeqSamplingState] = {}
+        self._pending: _Pending | None = None
         self.keep_gathers = persistent_decode_gather(device)
         self.kept_gather_budget = 0
         # Per bucket slot of the last step that completed: the key of its kept gather, or None.
@@ -87,8 +105,14 @@ class ModelRunner:
         self.backend.retain(set())
 
     # ---------------------------------------------------------------------- step
+    def execute(self, step: StepInput, masks: GrammarMasks | None = None) -> StepOutput | None:
+        self.forward(step)
+        return self.sample(masks)
+
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepOutput | None:
+    def forward(self, step: StepInput) -> None:
+        """Run the step's forward; `sample` then draws its tokens (the grammar masks may
+        arrive in between: they fill while this runs)."""
         for seq_id in step.finished_seq_ids:
             self.states.pop(seq_id, None)
         for new in step.new_seqs:
@@ -96,24 +120,34 @@ class ModelRunner:
             self.states[new.seq_id] = SeqSamplingState(new.params, new.prompt_token_ids, [], gen)
         # Kept gathers are valid only after a step that completed.
         previous, self._gathered = self._gathered, []
+        self._pending = _Pending(step)
         if not step.items:
-            return StepOutput(sampled_token_ids=[]) if self.is_driver else None
+            return
         input_ids, positions, meta, logits_rows, row_starts = self._prepare(step.items, previous)
         with set_forward_context(meta):
             hidden = self.model(input_ids, positions, self.kv_caches)
         self._gathered = [bucket.key for bucket in meta.decode_buckets]
-        logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
-        prompt_logprobs = []
+        self._pending.logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
         if any(item.prompt_logprobs is not None for item in step.items):
             prompts = {i.seq_id: self.states[i.seq_id].prompt_token_ids for i in step.items}
-            prompt_logprobs = compute_prompt_logprobs(
+            self._pending.prompt_logprobs = compute_prompt_logprobs(
                 self.model.compute_logits, hidden, step.items, row_starts, prompts, self.is_driver
             )
+
+    @torch.inference_mode()
+    def sample(self, masks: GrammarMasks | None = None) -> StepOutput | None:
+        """Draw the tokens of the step `forward` ran (rank 0 only; other ranks return None)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("sample() without a forward() before it")
         if not self.is_driver:
             return None
-        states = [self.states[item.seq_id] for item in step.items if item.sample]
-        tokens, logprobs = self.sampler(logits, states, step.bitmask, step.bitmask_rows)
-        return StepOutput(tokens, logprobs, prompt_logprobs)
+        if pending.logits is None:
+            return StepOutput(sampled_token_ids=[])
+        states = [self.states[item.seq_id] for item in pending.step.items if item.sample]
+        bitmask, rows = (masks.bitmask, masks.rows) if masks is not None else (None, None)
+        tokens, logprobs = self.sampler(pending.logits, states, bitmask, rows)
+        return StepOutput(tokens, logprobs, pending.prompt_logprobs)
 
     def _prepare(self, items: list[ScheduledItem], previous: list[tuple | None] | None = None):
         """Flatten the step: prefill chunks first, then single-token (decode) items. Also

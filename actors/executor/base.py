@@ -1,15 +1,18 @@
 """The executor seam: how the engine core reaches its ranks.
 
 Invariant: `execute` runs one step on every rank with the same StepInput and returns rank 0's
-StepOutput; any rank failure raises `ExecutorError` (never hangs) and marks it unhealthy.
+StepOutput; any rank failure raises `ExecutorError` (never hangs) and marks it unhealthy. The
+step's grammar masks, when it has any, come as a future the engine core fills while the
+forward runs: the executor waits for them only before sampling, and always before it returns.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from concurrent.futures import Future
 
-from actors.messages import StepInput, StepOutput
+from actors.messages import GrammarMasks, StepInput, StepOutput
 
 
 class ExecutorError(RuntimeError):
@@ -24,7 +27,7 @@ class Executor(abc.ABC):
     def init_kv_cache(self, num_blocks: int) -> None: ...
 
     @abc.abstractmethod
-    def execute(self, step: StepInput) -> StepOutput: ...
+    def execute(self, step: StepInput, masks: Future[GrammarMasks] | None = None) -> StepOutput: ...
 
     @abc.abstractmethod
     def is_healthy(self) -> bool: ...
@@ -45,3 +48,9 @@ class Executor(abc.ABC):
 
 def _release_nothing() -> None:
     return None
+
+
+def wait_for_masks(masks: Future[GrammarMasks] | None) -> GrammarMasks | None:
+    """The step's masks once filled (None when it has none). A fill that failed raises here,
+    as the step's own failure."""
+    return None if masks is None else masks.result()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from actors.config import CacheConfig, ModelConfig
-from actors.executor.base import Executor, ExecutorError
-from actors.messages import StepInput, StepOutput
+from actors.executor.base import Executor, ExecutorError, wait_for_masks
+from actors.messages import GrammarMasks, StepInput, StepOutput
 
 
 class InProcessExecutor(Executor):
@@ -22,9 +24,13 @@ class InProcessExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepInput, masks: Future[GrammarMasks] | None = None) -> StepOutput:
         try:
-            out = self.worker.execute(step)
+            try:
+                self.worker.forward(step)
+            finally:
+                filled = wait_for_masks(masks)
+            out = self.worker.sample(filled)
         except Exception as exc:
             self._healthy = False
             raise ExecutorError(f"step failed: {exc}") from exc

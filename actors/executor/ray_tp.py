@@ -2,7 +2,8 @@
 
 Inside a Serve replica or a Ray Data actor the current placement group is used (bundle 0 is
 the replica itself, ranks take the bundles after it); elsewhere the executor creates one.
-Each step is one `execute` call per rank with the same StepInput.
+Each step is one `execute` call per rank with the same StepInput (a constrained step: `forward`
+on every rank, then `sample` on rank 0 with the masks filled meanwhile).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -23,9 +25,9 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import CacheConfig, ModelConfig, ParallelConfig
-from actors.executor.base import Executor, ExecutorError
+from actors.executor.base import Executor, ExecutorError, wait_for_masks
 from actors.executor.worker import RayWorkerShell
-from actors.messages import StepInput, StepOutput
+from actors.messages import GrammarMasks, StepInput, StepOutput
 from actors.placement_failure import executor_group_name, placement_failure_message
 
 logger = logging.getLogger(__name__)
@@ -151,18 +153,7 @@ class RayExecutor(Executor):
 
     def _all(self, call, timeout: float | None = None) -> list:
         """Run `call(rank, worker)` on every rank; the first failure raises at once."""
-        refs = [call(rank, w) for rank, w in enumerate(self.workers)]
-        results: dict = {}
-        pending = list(refs)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-            if not ready:
-                raise GetTimeoutError(f"ranks did not answer within {timeout}s")
-            for ref in ready:
-                results[ref] = ray.get(ref)
-        return [results[r] for r in refs]
+        return _gather([call(rank, w) for rank, w in enumerate(self.workers)], timeout)
 
     def determine_num_blocks(self) -> int:
         return min(self._all(lambda _, w: w.determine_num_blocks.remote()))
@@ -170,15 +161,24 @@ class RayExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self._all(lambda _, w: w.init_kv_cache.remote(num_blocks))
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepInput, masks: Future[GrammarMasks] | None = None) -> StepOutput:
+        """One call per rank; with grammar masks, two: the forward goes out first, the masks
+        follow to rank 0 (the sampling rank) once filled, and each actor runs them in order."""
         if not self._healthy:
+            wait_for_masks(masks)
             raise ExecutorError("a tensor-parallel worker was lost earlier")
         try:
-            out = self._all(lambda _, w: w.execute.remote(step))[0]
+            if masks is None:
+                return self._all(lambda _, w: w.execute.remote(step))[0]
+            try:
+                refs = [w.forward.remote(step) for w in self.workers]
+            finally:
+                filled = wait_for_masks(masks)
+            # The other ranks' forward keeps its logits until their next step replaces them.
+            return _gather([self.workers[0].sample.remote(filled), *refs], None)[0]
         except (RayError, GetTimeoutError) as exc:
             self._healthy = False
             raise ExecutorError(f"tensor-parallel worker failed: {exc}") from exc
-        return out
 
     def is_healthy(self) -> bool:
         if not self._healthy:
@@ -205,3 +205,18 @@ class RayExecutor(Executor):
 
     def releaser(self) -> Callable[[], None]:
         return self.held.release
+
+
+def _gather(refs: list, timeout: float | None) -> list:
+    """The results of `refs` in order; the first failure raises at once, not after the rest."""
+    results: dict = {}
+    pending = list(refs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            raise GetTimeoutError(f"ranks did not answer within {timeout}s")
+        for ref in ready:
+            results[ref] = ray.get(ref)
+    return [results[r] for r in refs]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from actors.config import CacheConfig, ModelConfig
-from actors.messages import StepInput, StepOutput
+from actors.messages import GrammarMasks, StepInput, StepOutput
 from actors.model_runner import ModelRunner
 from actors.parallel_state import TPGroup, ensure_single_rank_group, set_tp_group
 from actors.platform import describe, device_for_rank, distributed_backend
@@ -53,6 +53,12 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepOutput | None:
         return self.runner.execute(step)
+
+    def forward(self, step: StepInput) -> None:
+        self.runner.forward(step)
+
+    def sample(self, masks: GrammarMasks | None) -> StepOutput | None:
+        return self.runner.sample(masks)
 
     def shard_info(self) -> dict[str, object]:
         """Parameter shapes and bytes held by this rank (tests check the sharding)."""
@@ -118,6 +124,12 @@ class RayWorkerShell:
 
     def execute(self, step: StepInput) -> StepOutput | None:
         return self._w.execute(step)
+
+    def forward(self, step: StepInput) -> None:
+        self._w.forward(step)
+
+    def sample(self, masks: GrammarMasks | None) -> StepOutput | None:
+        return self._w.sample(masks)
 
     def shard_info(self) -> dict[str, object]:
         return {**self._w.shard_info(), "node_id": self.node_id()}
