@@ -45,18 +45,36 @@ class Sampler:
             for t, s in zip(token_list, states, strict=True):
                 s.output_token_ids.append(t)
             return token_list, None
-        # A copy: penalties and masks below write in place, never into the caller's tensor.
+        # A copy: penalties, bans and masks below write in place, never into the caller's
+        # tensor.
         logits = logits.to(device="cpu", dtype=torch.float32, copy=True)
         want_logprobs = any(s.params.logprobs is not None for s in states)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         self._apply_penalties(logits, states)
         self._ban_stops_before_min_tokens(logits, states)
-        if bitmask is not None and bitmask_rows:
-            import xgrammar
-
-            xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=bitmask_rows)
-        dead = torch.isneginf(logits).all(dim=-1)
-        tokens = self._draw(logits, states)
+        masked = bitmask_rows if bitmask is not None and bitmask_rows else []
+        # A top-k/top-p/min-p filter sees the masked distribution: mask those rows first.
+        filtered = [r for r in masked if states[r].params.needs_top_filter]
+        dead = []
+        if filtered:
+            _apply_mask(logits, bitmask, filtered)
+            dead = [r for r in filtered if bool(torch.isneginf(logits[r]).all())]
+        scores = self._scores(logits, states)
+        tokens = scores.argmax(dim=-1)
+        # The other constrained rows keep the unmasked winner when their grammar allows it:
+        # masking only lowers other tokens' scores to -inf, so the masked winner (with the
+        # same noise) is the same token. Only rows whose winner is forbidden are masked.
+        late = [r for r in masked if not states[r].params.needs_top_filter]
+        if late:
+            winners = tokens[late]
+            words = bitmask[late].gather(1, (winners >> 5).unsqueeze(1)).squeeze(1)
+            allowed = ((words >> (winners & 31).to(torch.int32)) & 1).bool()
+            refill = [r for r, ok in zip(late, allowed.tolist(), strict=True) if not ok]
+            if refill:
+                _apply_mask(scores, bitmask, refill)
+                tokens[refill] = scores[refill].argmax(dim=-1)
+                dead += [r for r in refill if bool(torch.isneginf(scores[r]).all())]
+        # The constraint admits nothing more.
         tokens[dead] = NO_TOKEN
         token_list = tokens.tolist()
         logprobs = None
@@ -101,11 +119,12 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
 
-    def _draw(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+    def _scores(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+        """Per row, the scores whose argmax is its token: the logits of a greedy row; p / E
+        (E ~ Exp(1)) of a sampled one (-inf where p is 0, so a masked token never wins)."""
+        if all(s.params.is_greedy for s in states):
+            return logits
         greedy = torch.tensor([s.params.is_greedy for s in states])
-        tokens = logits.argmax(dim=-1)
-        if bool(greedy.all()):
-            return tokens
         temps = torch.tensor([1.0 if s.params.is_greedy else s.params.temperature for s in states])
         scaled = logits / temps.unsqueeze(1)
         if any(s.params.needs_top_filter for s in states):
@@ -115,8 +134,15 @@ class Sampler:
         for i, s in enumerate(states):
             if s.generator is not None:
                 noise[i].exponential_(generator=s.generator)
-        drawn = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, tokens, drawn)
+        drawn = (probs / noise).masked_fill_(probs == 0, float("-inf"))
+        return torch.where(greedy.unsqueeze(1), logits, drawn)
+
+
+def _apply_mask(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf wherever row r of `bitmask` forbids a token, for each r in `rows` (in place)."""
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(scores, bitmask, indices=rows)
 
 
 def _plain_greedy(states: list[SeqSamplingState], bitmask_rows: list[int] | None) -> bool:

@@ -326,6 +326,50 @@ def test_bitmask_restricts_only_listed_rows_and_empty_mask_gives_no_token() -> N
     assert states[2].output_token_ids == []  # a dead row records nothing
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.0},
+        {"temperature": 0.0, "repetition_penalty": 1.3},
+        {"temperature": 0.8},
+        {"temperature": 1.0, "top_k": 5},
+        {"temperature": 1.0, "top_p": 0.7},
+    ],
+    ids=["greedy", "greedy-penalised", "sampled", "top-k", "top-p"],
+)
+def test_masked_rows_draw_what_masking_the_logits_first_draws(params) -> None:
+    """The sampler masks only rows whose unmasked winner the grammar forbids (and rows a
+    top filter renormalises): each row's token is still the one it would draw from logits
+    masked beforehand, with the same noise, allowed or dead alike."""
+    vocab, rows = 100, 12
+    g = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        logits = torch.randn(rows, vocab, generator=g) * 3
+        bitmask = xgrammar.allocate_token_bitmask(rows, vocab)
+        for r in range(rows):
+            chosen = torch.randperm(vocab, generator=g)[: [1, 3, 30, 90][r % 4]].tolist()
+            allow_only(bitmask, r, set(chosen))
+        bitmask[rows - 1] = 0  # nothing allowed: the grammar's end
+        listed = [r for r in range(rows) if r % 5 != 4]  # unlisted rows stay free
+        masked_first = logits.clone()
+        xgrammar.apply_token_bitmask_inplace(masked_first, bitmask, indices=listed)
+
+        def states(trial: int = trial) -> list[SeqSamplingState]:
+            return [
+                make_state(seed=100 * trial + r, prompt_ids=(3,), **params) for r in range(rows)
+            ]
+
+        ours, _ = Sampler(vocab, EOS_IDS, seed=5)(logits, states(), bitmask, listed)
+        reference, _ = Sampler(vocab, EOS_IDS, seed=5)(masked_first, states())
+        for r in range(rows):
+            if r == rows - 1 and r in listed:
+                assert ours[r] == NO_TOKEN
+            else:
+                assert ours[r] == reference[r], (trial, r)
+                if r in listed:
+                    assert bitmask[r, ours[r] // 32] >> (ours[r] % 32) & 1
+
+
 # ---------------------------------------------------------------- logprobs
 
 
