@@ -58,7 +58,7 @@ class Sampler:
         dead = []
         if filtered:
             _apply_mask(logits, bitmask, filtered)
-            dead = [r for r in filtered if bool(torch.isneginf(logits[r]).all())]
+            dead = _all_masked(logits, filtered)
         scores = self._scores(logits, states)
         tokens = scores.argmax(dim=-1)
         # The other constrained rows keep the unmasked winner when their grammar allows it:
@@ -73,7 +73,7 @@ class Sampler:
             if refill:
                 _apply_mask(scores, bitmask, refill)
                 tokens[refill] = scores[refill].argmax(dim=-1)
-                dead += [r for r in refill if bool(torch.isneginf(scores[r]).all())]
+                dead += _all_masked(scores, refill)
         # The constraint admits nothing more.
         tokens[dead] = NO_TOKEN
         token_list = tokens.tolist()
@@ -136,6 +136,12 @@ class Sampler:
                 noise[i].exponential_(generator=s.generator)
         drawn = (probs / noise).masked_fill_(probs == 0, float("-inf"))
         return torch.where(greedy.unsqueeze(1), logits, drawn)
+
+
+def _all_masked(scores: torch.Tensor, rows: list[int]) -> list[int]:
+    """Those of `rows` where every token is -inf."""
+    dead = torch.isneginf(scores[rows]).all(dim=-1).tolist()
+    return [r for r, d in zip(rows, dead, strict=True) if d]
 
 
 def _apply_mask(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
