@@ -62,6 +62,8 @@ bench: $(STAMP) demo-model
 	$(PY) benchmarks/engine.py --model bench --out $(R)/engine_bench.json
 	$(PY) benchmarks/ideal_step.py --threads 1 --out $(R)/ideal_step.json
 	$(PY) benchmarks/ideal_step.py --model bench --threads 1 --out $(R)/ideal_step_bench.json
+	$(PY) benchmarks/grammar_masks.py --out $(R)/grammar_masks.json
+	$(PY) benchmarks/grammar_masks.py --model bench --out $(R)/grammar_masks_bench.json
 	$(PY) benchmarks/serving.py --out $(R)/serving.json
 	$(PY) benchmarks/serving.py --model bench --out $(R)/serving_bench.json
 	$(PY) benchmarks/serving.py --replicas 1,2 --out $(R)/replicas.json
@@ -70,6 +72,7 @@ bench: $(STAMP) demo-model
 	$(PY) benchmarks/peer.py --out $(R)/peer.json
 	$(PY) benchmarks/peer.py --model bench --out $(R)/peer_bench.json
 	$(PY) benchmarks/peer.py --dtype bfloat16 --no-offline --out $(R)/peer_bf16.json
+	$(PY) benchmarks/peer.py --json-schema --out $(R)/peer_json_schema.json
 	$(PY) benchmarks/peer.py --peer transformers --threads 2 --out $(R)/peer_transformers.json
 	$(PY) benchmarks/batch.py --out $(R)/batch.json
 	$(PY) benchmarks/batch.py --model bench --out $(R)/batch_bench.json

@@ -182,3 +182,28 @@ def tree_cpu_seconds(root: int) -> float:
         if p == root:
             total += seconds
     return total
+
+
+# A production-shaped JSON schema for constrained-decode benchmarks: nested objects, enums and
+# arrays. Many small items: every row keeps visiting keys, enums and numbers (the masks that
+# cost the most to fill), and none can close the object within the tokens decoded here.
+_ITEM = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "kind": {"enum": ["person", "place", "thing", "event"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "where": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "integer"}},
+            "required": ["city", "zip"],
+        },
+        "note": {"type": "string", "maxLength": 12},
+    },
+    "required": ["id", "kind", "tags", "where", "note"],
+}
+DECODE_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": _ITEM, "minItems": 200}},
+    "required": ["items"],
+}

@@ -37,6 +37,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_peer  # noqa: E402
 from common import (  # noqa: E402
+    DECODE_SCHEMA,
     DEFAULT_MODEL,
     closed_loop,
     free_port,
@@ -338,6 +339,12 @@ def main() -> None:
         "--dtype", default="float32", help="weights dtype for both servers (float32, bfloat16)"
     )
     parser.add_argument("--no-offline", action="store_true", help="skip engine-to-engine")
+    parser.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="every request constrained by the production-shaped schema of "
+        "benchmarks/grammar_masks.py (default levels 16,64; reported, not gated)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -346,7 +353,8 @@ def main() -> None:
     if vllm and args.quick:
         parser.error("vLLM cannot serve the tiny checkpoint (head_dim 16): --peer transformers")
     checkpoint = resolve_model("tiny" if args.quick else args.model)
-    levels = [int(x) for x in (args.levels or ("1,4,16,64" if vllm else "1,4,16")).split(",")]
+    default_levels = "16,64" if args.json_schema else "1,4,16,64" if vllm else "1,4,16"
+    levels = [int(x) for x in (args.levels or default_levels).split(",")]
     max_tokens = 16 if args.quick else args.max_tokens
     per_level = (lambda c: max(c, 4)) if args.quick else (lambda c: max(2 * c, 8))
     path = checkpoint.path
@@ -356,6 +364,10 @@ def main() -> None:
     env.pop("RAY_ADDRESS", None)  # ours starts its own local Ray
     # vLLM takes vLLM's extensions; transformers answers them with 422.
     extra = {"ignore_eos": True, "stream_options": {"include_usage": True}} if vllm else {}
+    if args.json_schema:
+        # It cannot close within max_tokens: both sides stream the same number of tokens.
+        schema = {"name": "items", "schema": DECODE_SCHEMA}
+        extra["response_format"] = {"type": "json_schema", "json_schema": schema}
     label = f"vLLM {vllm_peer.VERSION} (CPU)" if vllm else "transformers serve (CB)"
     result: dict = {
         "checkpoint": checkpoint.label,
@@ -366,6 +378,7 @@ def main() -> None:
         "transformers: OMP_NUM_THREADS",
         "peer": args.peer,
         "peer_label": label,
+        "json_schema": args.json_schema,
     }
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as log_dir:
         sides = [("ours", lambda: start_ours(path, args.threads, log_dir, env, args.dtype))]
@@ -392,7 +405,9 @@ def main() -> None:
         else "streamed text encoded with the checkpoint's tokenizer",
     }
     result["ours_over_theirs"] = ratios(result["ours"], result["theirs"])
-    if vllm:
+    if args.json_schema:
+        pass  # reported beside the gated targets, which are for unconstrained decode
+    elif vllm:
         offline = None
         if not args.no_offline and not args.quick:
             offline = vllm_peer.engine_to_engine(path, args.threads, args.dtype)

@@ -18,6 +18,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
+    DECODE_SCHEMA,
     DEFAULT_MODEL,
     closed_loop,
     free_port,
@@ -26,6 +27,7 @@ from common import (  # noqa: E402
     stream_summary,
     write_json,
 )
+from grammar_masks import RATIO_TARGET as JSON_DECODE_TARGET  # noqa: E402
 
 # A sweep measures throughput at each concurrency, so nothing is shed: on the trained model a
 # 64-stream level queues past the default 60 s first-token bound (503 deadline_unmeetable).
@@ -225,9 +227,8 @@ def main() -> None:
         schema_extra = {
             "response_format": {
                 "type": "json_schema",
-                "json_schema": {"name": "s", "schema": SCHEMA},
+                "json_schema": {"name": "s", "schema": DECODE_SCHEMA},
             },
-            "ignore_eos": False,
         }
         fresh16 = mixed_requests(32, 2048, (64, 256), (args.max_tokens,) * 2, seed=17)
         constrained16 = asyncio.run(http_level(url, model, fresh16, 16, schema_extra))
@@ -246,15 +247,15 @@ def main() -> None:
             "ratio": plain16["output_tok_s"] / direct16,
             "target_ratio": 0.8,
         },
-        # JSON outputs end early (the schema closes), so compare decode speed per stream:
-        # the inter-token latency, not totals that mix in more prefill per output token.
+        # The decode schema (production-shaped: nested objects, enums, arrays) cannot close
+        # within max_tokens, so both sides stream the same number of tokens per request.
         "constrained_vs_unconstrained_at_16": {
             "unconstrained_itl_p50_ms": plain16["itl_ms"]["p50"],
             "json_schema_itl_p50_ms": constrained16["itl_ms"]["p50"],
             "unconstrained_tok_s": plain16["output_tok_s"],
             "json_schema_tok_s": constrained16["output_tok_s"],
             "ratio": plain16["itl_ms"]["p50"] / constrained16["itl_ms"]["p50"],
-            "target_ratio": 0.9,
+            "target_ratio": JSON_DECODE_TARGET,
         },
         "grammar_compile": {**compile_times, **grammar_service_compile_times(path)},
     }
