@@ -342,8 +342,8 @@ def main() -> None:
     parser.add_argument(
         "--json-schema",
         action="store_true",
-        help="every request constrained by the production-shaped schema of "
-        "benchmarks/grammar_masks.py (default levels 16,64; reported, not gated)",
+        help="every request constrained by the production-shaped schema "
+        "(common.DECODE_SCHEMA; default levels 16,64; reported, not gated)",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
