@@ -343,7 +343,7 @@ def test_an_engine_failure_fails_its_rows_as_transient_and_the_next_batch_recove
     batch = pa.table({"id": ["a", "b", "c"], "prompt": ["Hello", None, "The cat"]})
     try:
 
-        def lost(step):
+        def lost(step, masks=None):
             raise ExecutorError("worker lost")
 
         monkeypatch.setattr(engine.llm.engine.executor, "execute", lost)

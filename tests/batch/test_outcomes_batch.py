@@ -129,7 +129,7 @@ def outputs(ray_session, model, tmp_path_factory) -> dict[str, dict[str, Any]]:
     engine = BatchEngine(model, defaults=BatchDefaults(max_tokens=4, temperature=0))
     try:
 
-        def lost(step: Any) -> None:
+        def lost(step: Any, masks: Any = None) -> None:
             raise ExecutorError("worker lost")
 
         engine.llm.engine.executor.execute = lost
