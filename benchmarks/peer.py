@@ -99,7 +99,14 @@ def start_ours(
 ) -> ServerProcess:
     config = Path(log_dir) / "ours.yaml"
     # A generous placement timeout: a busy machine can be slow to start the replica's worker.
-    engine = {"replica_cpus": threads, "placement_timeout_s": 600, "dtype": dtype}
+    # No first-token bound (vLLM has none): at 64 streams on the trained model the last
+    # requests of a level wait past the default 60 s for their first step and would be shed.
+    engine = {
+        "replica_cpus": threads,
+        "placement_timeout_s": 600,
+        "dtype": dtype,
+        "max_queue_s": None,
+    }
     config.write_text(json.dumps({"model": path, "engine": engine}))
     port = free_port()
     argv = [venv_tool("serve-app"), "serve", "--config", str(config), "--port", str(port)]
