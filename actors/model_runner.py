@@ -146,7 +146,8 @@ class ModelRunner:
             return StepOutput(sampled_token_ids=[])
         states = [self.states[item.seq_id] for item in pending.step.items if item.sample]
         bitmask, rows = (masks.bitmask, masks.rows) if masks is not None else (None, None)
-        tokens, logprobs = self.sampler(pending.logits, states, bitmask, rows)
+        # The logits are this step's own: the sampler may write into them.
+        tokens, logprobs = self.sampler(pending.logits, states, bitmask, rows, writable=True)
         return StepOutput(tokens, logprobs, pending.prompt_logprobs)
 
     def _prepare(self, items: list[ScheduledItem], previous: list[tuple | None] | None = None):

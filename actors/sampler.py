@@ -37,7 +37,10 @@ class Sampler:
         states: list[SeqSamplingState],
         bitmask: torch.Tensor | None = None,
         bitmask_rows: list[int] | None = None,
+        writable: bool = False,
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """One token per row (NO_TOKEN where the mask admits nothing). With `writable`, the
+        caller's logits may be written in place (they are its scratch: no copy is made)."""
         if _plain_greedy(states, bitmask_rows if bitmask is not None else None):
             # Nothing to mask, penalise or report: the argmax of the logits as they are (no
             # fp32 copy of a batch x vocab tensor, no all-masked check).
@@ -45,9 +48,9 @@ class Sampler:
             for t, s in zip(token_list, states, strict=True):
                 s.output_token_ids.append(t)
             return token_list, None
-        # A copy: penalties, bans and masks below write in place, never into the caller's
-        # tensor.
-        logits = logits.to(device="cpu", dtype=torch.float32, copy=True)
+        # Penalties, bans and masks below write in place: into a copy unless the caller's
+        # tensor is scratch (a batch x vocab copy is ~2 ms at 64 x 49k).
+        logits = logits.to(device="cpu", dtype=torch.float32, copy=not writable)
         want_logprobs = any(s.params.logprobs is not None for s in states)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         self._apply_penalties(logits, states)
