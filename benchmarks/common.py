@@ -68,6 +68,13 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
+def run_header(model: Model) -> dict:
+    """What every in-process benchmark's JSON starts with: the checkpoint, dtype and threads."""
+    import torch
+
+    return {"checkpoint": model.label, "dtype": "float32", "threads": torch.get_num_threads()}
+
+
 def write_json(result: dict, out: str | None) -> None:
     text = json.dumps(result, indent=2)
     print(text)

@@ -14,7 +14,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DEFAULT_MODEL, Timer, mixed_requests, resolve_model, write_json  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_MODEL,
+    Timer,
+    mixed_requests,
+    resolve_model,
+    run_header,
+    write_json,
+)
 from ideal_step import run as ideal_step  # noqa: E402
 from step_breakdown import run as step_breakdown  # noqa: E402
 
@@ -275,9 +282,7 @@ def main() -> None:
     hf_s = hf_static_batches(hf, requests, args.hf_batch_size)
     result = {
         "machine": {"torch_threads": torch.get_num_threads(), "device": "cpu"},
-        "checkpoint": model.label,
-        "dtype": "float32",
-        "threads": torch.get_num_threads(),
+        **run_header(model),
         "offline_throughput": {
             "num_requests": n,
             "useful_output_tokens": tokens,

@@ -21,7 +21,7 @@ import torch
 import xgrammar as xgr
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DECODE_SCHEMA, resolve_model, write_json  # noqa: E402
+from common import DECODE_SCHEMA, resolve_model, run_header, write_json  # noqa: E402
 
 from actors import LLM, SamplingParams  # noqa: E402
 from actors.grammar_cache import load_tokenizer_info  # noqa: E402
@@ -142,9 +142,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
     result = {
-        "checkpoint": model.label,
-        "dtype": "float32",
-        "threads": torch.get_num_threads(),
+        **run_header(model),
         **run(model.path, [int(b) for b in args.batches.split(",")], args.repeats, args.tokens),
     }
     write_json(result, args.out)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import resolve_model, write_json  # noqa: E402
+from common import resolve_model, run_header, write_json  # noqa: E402
 from step_breakdown import fill_decoding  # noqa: E402
 
 from actors import LLM  # noqa: E402
@@ -132,9 +132,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
     result = {
-        "checkpoint": model.label,
-        "dtype": "float32",
-        "threads": torch.get_num_threads(),
+        **run_header(model),
         **run(model.path, args.batch, args.context, args.steps),
     }
     write_json(result, args.out)

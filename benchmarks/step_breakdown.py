@@ -25,10 +25,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-import torch
-
 sys.path.insert(0, os.path.dirname(__file__))
-from common import resolve_model, write_json  # noqa: E402
+from common import resolve_model, run_header, write_json  # noqa: E402
 
 from actors import LLM, SamplingParams  # noqa: E402
 
@@ -157,9 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     model = resolve_model(args.model)
     result = {
-        "checkpoint": model.label,
-        "dtype": "float32",
-        "threads": torch.get_num_threads(),
+        **run_header(model),
         "device": "cpu",
         "steps": run(
             model.path, [int(b) for b in args.batches.split(",")], args.steps, args.context
