@@ -133,7 +133,6 @@ def app_identity(config: ServeConfig) -> dict[str, Any]:
 def build_app(config: ServeConfig, identity: dict[str, Any] | None = None) -> Application:
     """The graph for `config`; `identity` is `app_identity(config)`, computed here unless the
     caller has it already (serve_app/server.py computes it while Ray starts)."""
-    model_config = build_model_config(config)
     if identity is None:
         identity = app_identity(config)
     tokenizer = serve.deployment(
@@ -141,7 +140,7 @@ def build_app(config: ServeConfig, identity: dict[str, Any] | None = None) -> Ap
         name="tokenizer",
         max_ongoing_requests=512,
         ray_actor_options=cpu_actor_options(config),
-    ).bind(config.model, model_config.vocab_size, resolve_chat_template(config.chat_template, None))
+    ).bind(config.model, resolve_chat_template(config.chat_template, None))
     grammar = serve.deployment(
         GrammarService,
         name="grammar",

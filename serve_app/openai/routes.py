@@ -27,6 +27,7 @@ from serve_app.openai.stream import collect_body, record_cancel, stream_sse
 from serve_app.openai.token_text import load_token_texts
 from serve_app.parsers.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.protocol import parse_request
+from serve_app.protocol.parsing import check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class OpenAIHandlers:
             if isinstance(p, str):
                 ids_list.append(await self.tokenizer.encode.remote(p))
             else:
-                await self.tokenizer.check_token_ids.remote(p, "prompt")
+                check_token_ids(p, self.identity["vocab_size"], "prompt")
                 ids_list.append(p)
         echo = [
             (p if isinstance(p, str) else self.texts.tokenizer.decode(p)) if req.echo else ""

@@ -90,3 +90,13 @@ def data_path(loc: tuple[int | str, ...], data: Any) -> str:
             continue
         parts.append(str(item))
     return ".".join(parts)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """Client-supplied prompt ids: each inside the vocabulary (special tokens are taken as
+    given, never added). Checked in the ingress: a range check is no tokenizer round trip."""
+    for t in token_ids:
+        if not 0 <= t < vocab_size:
+            raise errors.invalid_request(
+                f"token id {t} is outside the vocabulary [0, {vocab_size})", param
+            )

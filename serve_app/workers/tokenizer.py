@@ -1,4 +1,4 @@
-"""Tokenizer deployment: chat templates, encoding and token-id checks, batched across calls."""
+"""Tokenizer deployment: chat templates and encoding, batched across calls."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from serve_app.checkpoints.prompt_encoding import PromptEncoder, UnsafePromptErr
 
 
 class TokenizerService:
-    def __init__(self, model_path: str, vocab_size: int, template: ChatTemplate | None = None):
+    def __init__(self, model_path: str, template: ChatTemplate | None = None):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if template is not None and template.text is not None:
             self.tokenizer.chat_template = template.text
@@ -29,7 +29,6 @@ class TokenizerService:
         self.renders_tools = renders_tools(self.tokenizer)
         # Client text stays text: only the template's own markers become control ids.
         self.prompts = PromptEncoder(self.tokenizer)
-        self.vocab_size = vocab_size
         signature = inspect.signature(self.tokenizer.apply_chat_template)
         named = [p.name for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
         # `messages` is what the template itself calls the conversation.
@@ -89,14 +88,6 @@ class TokenizerService:
         """Plain text prompts, encoded as text (the tokenizer's own BOS stays); concurrent
         calls are encoded as one batch."""
         return self.prompts.encode_text(texts)
-
-    def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        """Client-supplied ids: special tokens are taken as given, never added."""
-        for t in token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise errors.invalid_request(
-                    f"token id {t} is outside the vocabulary [0, {self.vocab_size})", param
-                )
 
 
 def _template_error(

@@ -210,7 +210,7 @@ def test_chat_rendering_equals_transformers(trained_dir, tokenizer):
     """Our tokenizer service's render path gives transformers' ids for the model's template."""
     from serve_app.workers.tokenizer import TokenizerService
 
-    service = TokenizerService(str(trained_dir), vocab_size=49152)
+    service = TokenizerService(str(trained_dir))
     for chat in CHATS:
         for add in (True, False):
             expected_ids = _ids(tokenizer.apply_chat_template(chat, add_generation_prompt=add))
@@ -223,7 +223,7 @@ def test_shipped_tools_template_renders_the_models_own_chats_and_tools(trained_d
     from serve_app.workers.tokenizer import TokenizerService
 
     template = resolve_chat_template(shipped_template_path("smollm2_tools.jinja"), None)
-    service = TokenizerService(str(trained_dir), vocab_size=49152, template=template)
+    service = TokenizerService(str(trained_dir), template=template)
     assert service.renders_tools is True
     # Without tools it is the model's own template, token for token.
     for chat in CHATS:
@@ -244,9 +244,7 @@ def test_tools_are_refused_naming_the_template_when_it_cannot_render_them(traine
 
     own = tmp_path / "smollm2_own.jinja"
     own.write_text((trained_dir / "chat_template.jinja").read_text())
-    service = TokenizerService(
-        str(trained_dir), vocab_size=49152, template=resolve_chat_template(str(own), None)
-    )
+    service = TokenizerService(str(trained_dir), template=resolve_chat_template(str(own), None))
     assert service.renders_tools is False
     assert service.render_chat(CHATS[0])  # a plain chat still renders
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}

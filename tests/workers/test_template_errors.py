@@ -21,7 +21,7 @@ TOOL = [{"role": "tool", "content": "42", "tool_call_id": "c1"}]
 
 @pytest.fixture(scope="module")
 def service(model_dirs) -> TokenizerService:
-    svc = TokenizerService(str(model_dirs("llama")), vocab_size=2048)
+    svc = TokenizerService(str(model_dirs("llama")))
     svc.tokenizer.chat_template = STRICT_TEMPLATE
     return svc
 
