@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import xgrammar as xgr
 
 from actors.messages import GrammarMasks
+from actors.torch_thread import ENGINE_THREAD_PREFIX, name_os_thread
 
 
 class GrammarConstraint:
@@ -41,7 +42,12 @@ class MaskFiller:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         # Lazily started; its thread exits when the filler is collected or closed.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._pool = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="grammar-masks",
+            initializer=name_os_thread,
+            initargs=(ENGINE_THREAD_PREFIX + "masks",),
+        )
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self.num_steps = 0
         self.num_rows = 0

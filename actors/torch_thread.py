@@ -7,6 +7,10 @@ and on 2 cores the steps then ran ~20% slower (measured on the `bench` checkpoin
 calls `__init__` on its main thread and `__call__` on a worker thread) route both through
 one `TorchThread`.
 
+`name_os_thread` gives the calling thread an OS-visible name (`top -H`, `/proc/PID/task/*/comm`);
+OpenMP workers a named thread starts inherit it, so an engine's step threads can be told from
+the serving path's when CPU is accounted per thread (`benchmarks/serving.py`).
+
 `favour_step_thread` shortens the GIL switch interval of a process whose step thread shares
 the GIL with other Python threads (Serve's loop and Ray's threads in an engine replica, Ray
 Data's in a batch actor).
@@ -14,6 +18,8 @@ Data's in a batch actor).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +32,23 @@ T = TypeVar("T")
 # (`bench` checkpoint): a 16-stream server made 288 vs 268 tok/s (means of 4 and 5 runs), a
 # 256-row batch job 462 vs 437 (2 runs each); single runs vary by about 15%.
 STEP_THREAD_SWITCH_INTERVAL_S = 0.0005
+
+
+# Thread-name prefix of every thread doing an engine's step work (the step thread, its OpenMP
+# team, the grammar mask filler).
+ENGINE_THREAD_PREFIX = "engine-"
+_PR_SET_NAME = 15
+
+
+def name_os_thread(name: str) -> None:
+    """Name the calling thread for the OS (Linux: 15 bytes at most); elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # no libc to call: the name is only for operators
+        pass
 
 
 def favour_step_thread() -> None:

@@ -191,6 +191,67 @@ def tree_cpu_seconds(root: int) -> float:
     return total
 
 
+# Serve's processes by the role their title names (`ray::ServeReplica:APP:DEPLOYMENT`,
+# `ray::ProxyActor`, ...): the serving path is every one of them but the engine's step threads.
+SERVE_ROLES = {
+    "ProxyActor": "proxy",
+    ":ingress": "ingress",
+    ":tokenizer": "tokenizer",
+    ":grammar": "grammar",
+    ":engine": "engine",
+    ":admin": "admin",
+    "ServeController": "controller",
+}
+# Not on a request's path: reported beside, never summed into the serving path's cost.
+BACKGROUND_ROLES = ("controller", "admin")
+
+
+def _cpu_of(stat_path: Path, tick: int) -> float:
+    stat = stat_path.read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / tick
+
+
+def serve_cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this machine's Serve processes, by role, from /proc. An engine
+    replica is split: `engine_step` (threads named `ENGINE_THREAD_PREFIX*`: the step thread,
+    its OpenMP team, the mask filler) and `engine_loop` (the rest: Serve's event loop, Ray's
+    threads)."""
+    from actors.torch_thread import ENGINE_THREAD_PREFIX
+
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            role = next((r for key, r in SERVE_ROLES.items() if key in title), None)
+            if role is None or not title.startswith("ray::"):
+                continue
+            if role != "engine":
+                totals[role] = totals.get(role, 0.0) + _cpu_of(entry / "stat", tick)
+                continue
+            for task in (entry / "task").iterdir():
+                name = (task / "comm").read_text().strip()
+                part = "engine_step" if name.startswith(ENGINE_THREAD_PREFIX) else "engine_loop"
+                totals[part] = totals.get(part, 0.0) + _cpu_of(task / "stat", tick)
+        except (OSError, ValueError):  # a process or thread that ended while read
+            continue
+    return totals
+
+
+def serving_cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict:
+    """CPU ms per output token, by role, between two `serve_cpu_seconds` readings; `serving`
+    sums the path outside the engine's step threads."""
+    per = {
+        role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1e3 / max(tokens, 1)
+        for role in sorted(set(before) | set(after))
+    }
+    path = [r for r in per if r != "engine_step" and r not in BACKGROUND_ROLES]
+    return {"serving": sum(per[r] for r in path), "by_role": per}
+
+
 # A production-shaped JSON schema for constrained-decode benchmarks: nested objects, enums and
 # arrays. Many small items: every row keeps visiting keys, enums and numbers (the masks that
 # cost the most to fill), and none can close the object within the tokens decoded here.
