@@ -105,3 +105,6 @@ class EngineRequest:
     # Prefix-cache namespace, chosen by the service (never by the client): cached blocks are
     # shared only between requests of the same namespace.
     cache_namespace: str = ""
+    # The ingress replica's output channel (serve_app/workers/output_channel.py): when the
+    # engine replica has it open, this request's outputs after the first travel in it.
+    channel: str | None = None

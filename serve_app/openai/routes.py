@@ -28,6 +28,7 @@ from serve_app.openai.token_text import load_token_texts
 from serve_app.parsers.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.protocol import parse_request
 from serve_app.protocol.parsing import check_token_ids
+from serve_app.workers.output_channel import EngineChannels, Mailbox, Routed, lost_output
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class OpenAIHandlers:
         self.identity = identity
         self.tokenizer = tokenizer
         self.engine = engine.options(stream=True)
+        self.channels = EngineChannels(self.engine)
         self.texts = load_token_texts(config.model)
         self.admission = OpenAIAdmission(config, identity, self.texts, grammar)
         # Server-wide admission (draining); runs before any parsing.
@@ -128,18 +130,24 @@ class OpenAIHandlers:
                 r.flow_key = key
             name, value = flow_header(board_name(self.config.model_id), key)
             headers[name] = value
+        boxes = []
+        for r in job.engine_requests:
+            r.channel = self.channels.channel_id
+            boxes.append(self.channels.expect(r.request_id))
         streams = [self.engine.generate.remote(r) for r in job.engine_requests]
         firsts = []
         try:
             for prompt_idx, gen in enumerate(streams):
-                firsts.append(await self._first(gen, job, prompt_idx))
+                firsts.append(await self._first(gen, job, prompt_idx, boxes[prompt_idx]))
         except BaseException:
             for gen in streams:
                 gen.cancel()
+            for box in boxes:
+                self.channels.release(box.request_id)
             raise
         # The prompt's logprobs ride on each prompt's first output.
         job.formatter.prompt_logprobs = [first.prompt_logprobs for first in firsts]
-        merged = self._merge(streams, firsts, job)
+        merged = self._merge(streams, boxes, firsts, job)
         if job.req.stream:
             return StreamingResponse(
                 stream_sse(merged, job), media_type="text/event-stream", headers=headers
@@ -150,10 +158,15 @@ class OpenAIHandlers:
             record_cancel(job)
             raise
 
-    async def _first(self, gen, job: AdmittedRequest, prompt_idx: int) -> RequestOutput:
+    async def _first(
+        self, gen, job: AdmittedRequest, prompt_idx: int, box: Mailbox
+    ) -> RequestOutput:
         """The first output decides the status: a grammar that failed is a 400 here."""
         try:
             out = await gen.__anext__()
+            if isinstance(out, Routed):  # where the later outputs come
+                self.channels.routed(box, out)
+                out = await gen.__anext__()
         except errors.APIError as exc:  # the engine deployment's own (Ray wraps it: unwrap)
             raise errors.api_error_in(exc) or exc from None
         except ValueError as exc:
@@ -177,32 +190,45 @@ class OpenAIHandlers:
         return out
 
     async def _merge(
-        self, streams: list, firsts: list[RequestOutput], job: AdmittedRequest
+        self, streams: list, boxes: list[Mailbox], firsts: list[RequestOutput], job: AdmittedRequest
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) from every prompt's stream, ending at the deadline."""
+        """(prompt index, output) from every prompt's stream or channel mailbox, ending at
+        the deadline; `(i, None)` follows prompt i's last output."""
         queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
 
-        async def pump(i: int, gen) -> None:
+        def deliver(i: int, out: RequestOutput) -> None:
+            queue.put_nowait((i, out))
+            if out.finished:
+                queue.put_nowait((i, None))
+
+        async def pump(i: int, gen, box: Mailbox) -> None:
+            if box.instance is not None:  # channelled: the call yields nothing more...
+                box.attach(lambda out: deliver(i, out))
+                try:
+                    async for out in gen:
+                        box.put(out)  # ...unless its channel closed under it
+                except Exception as exc:  # noqa: BLE001 (the replica or its worker died)
+                    logger.error("engine stream lost: %s", type(exc).__name__)
+                    box.fail("the engine replica was lost")
+                return
             try:
                 async for out in gen:
-                    await queue.put((i, out))
+                    queue.put_nowait((i, out))
             except Exception as exc:  # noqa: BLE001 (the replica or its worker died)
                 # A lost engine ends this prompt with an error, never as a short success,
                 # and nothing it started is re-run elsewhere.
                 logger.error("engine stream lost: %s", type(exc).__name__)
-                lost = RequestOutput("", [], [], 0, True, error="the engine replica was lost")
-                lost.error_code = "engine_lost"
-                await queue.put((i, lost))
+                queue.put_nowait((i, lost_output("the engine replica was lost")))
             finally:
-                await queue.put((i, None))
+                queue.put_nowait((i, None))
 
         pending = 0
         tasks = []
-        for i, (gen, first) in enumerate(zip(streams, firsts, strict=True)):
+        for i, (gen, box, first) in enumerate(zip(streams, boxes, firsts, strict=True)):
             await queue.put((i, first))
             if not first.finished:
                 pending += 1
-                tasks.append(asyncio.create_task(pump(i, gen)))
+                tasks.append(asyncio.create_task(pump(i, gen, box)))
         try:
             while pending or not queue.empty():
                 timeout = None if job.deadline is None else job.deadline - time.monotonic()
@@ -220,6 +246,8 @@ class OpenAIHandlers:
                 task.cancel()
             for gen in streams:
                 gen.cancel()
+            for box in boxes:
+                self.channels.release(box.request_id)
 
     async def _collect(self, merged, job: AdmittedRequest) -> Response:
         return JSONResponse(await collect_body(merged, job))

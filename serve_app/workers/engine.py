@@ -22,6 +22,14 @@ from serve_app.config.options import ServeConfig
 from serve_app.metrics import record_engine_gauges, record_latency
 from serve_app.ops.stats import StatsReporter
 from serve_app.ops.timelines import TimelineRing
+from serve_app.workers.output_channel import (
+    Batch,
+    ChannelClosed,
+    ChannelHello,
+    ChannelHub,
+    Routed,
+    lost_output,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +81,7 @@ class EngineService:
         )
         self.flow = StallWatcher(config.model_id, self.engine.pause_reader)
         self.replica_id = _replica_id()
+        self.channels = ChannelHub(self.replica_id, e.output_queue_size)
         self.timelines = TimelineRing(self.replica_id)
         self.reporter = StatsReporter(
             config.model_id, self.replica_id, self._report, timelines_fn=self.timelines.take_new
@@ -84,7 +93,7 @@ class EngineService:
             self.engine.core.block_manager.num_blocks,
         )
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput | Routed]:
         grammar = request.grammar[0] if request.grammar else None
         outputs = self.engine.generate(
             request.request_id,
@@ -99,15 +108,34 @@ class EngineService:
         key = request.flow_key
         # Tracked from the first output on: the engine knows the request by then.
         tracked = False
+        # Asked for a channel: say whether this replica has it open; if so, every output
+        # after the first goes into it (serve_app/workers/output_channel.py).
+        box = self.channels.attach(request.channel)
+        if request.channel is not None:
+            yield Routed(self.replica_id, box.instance if box is not None else None)
         try:
+            first = True
             async for out in self.timelines.watch(request, outputs):
                 if key is not None and not tracked and not out.finished:
                     self.flow.track(key, request.request_id)
                     tracked = True
-                yield out
+                if box is None or first:
+                    yield out
+                else:
+                    await self.channels.push(box, request.request_id, out)
+                first = False
+        except ChannelClosed:
+            yield lost_output("the output channel was closed")
         finally:
+            if box is not None:
+                self.channels.detach(box)
             if tracked:
                 self.flow.untrack(key, request.request_id)
+
+    async def channel(self, channel_id: str) -> AsyncIterator[ChannelHello | Batch]:
+        """An ingress replica's output channel to this replica (streamed; ends when idle)."""
+        async for item in self.channels.serve(channel_id):
+            yield item
 
     def request_timelines(self, request_id: str) -> list[dict[str, object]]:
         """This replica's recent engine timelines of a request (X-Request-Id or engine id)."""
@@ -118,6 +146,7 @@ class EngineService:
 
         return {
             **self.engine.stats(),
+            **self.channels.stats(),
             "replica": self.replica_id,
             "node_id": ray.get_runtime_context().get_node_id(),
         }

@@ -104,6 +104,43 @@ def test_half_of_200_streams_disconnect_and_everything_is_released(serve_url, ad
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
 
 
+def test_concurrent_streams_travel_in_the_output_channel_many_outputs_per_item(
+    serve_url, admin_url, model_id
+):
+    """Tokens after each stream's first reach the ingress in its channel, one item per
+    engine wake-up for every stream (not one Serve item per token), and the streams are
+    whole."""
+    max_tokens, streams = 16, 8
+
+    async def client(http: httpx.AsyncClient) -> int:
+        texts = 0
+        body = _stream_body(model_id, max_tokens)
+        async with http.stream("POST", f"{serve_url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                    texts += 1
+        return texts
+
+    async def run_all() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(client(http) for _ in range(streams)))
+
+    items_before = _replica_stat(admin_url, "channel_items")
+    outputs_before = _replica_stat(admin_url, "channel_outputs")
+    chunks = asyncio.run(run_all())
+    # Every token of every stream arrived (a text chunk each, then the finish chunk).
+    assert all(c >= max_tokens for c in chunks), chunks
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the replica reports a few times a second
+        outputs = _replica_stat(admin_url, "channel_outputs") - outputs_before
+        if outputs >= streams * (max_tokens - 1):
+            break
+        time.sleep(0.1)
+    items = _replica_stat(admin_url, "channel_items") - items_before
+    assert outputs >= streams * (max_tokens - 1)
+    assert items < outputs / 2
+
+
 def test_drain_refuses_new_requests_until_lifted(serve_url, admin_url, model_id):
     body = {"model": model_id, "prompt": "x", "max_tokens": 2}
     try:

@@ -1,0 +1,218 @@
+"""The multiplexed output channel between an ingress replica and an engine replica, both
+sides in one event loop: outputs arrive in order and complete, a lagging reader holds its
+requests back, and a channel that ends never leaves a request waiting or ends it as a
+success."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.outputs import CompletionDelta, RequestOutput
+from serve_app.workers.output_channel import (
+    ChannelClosed,
+    ChannelHub,
+    EngineChannels,
+    Routed,
+)
+
+
+def output(request_id: str, i: int, finished: bool = False) -> RequestOutput:
+    delta = CompletionDelta(0, [i], f"t{i}")
+    return RequestOutput(request_id, [1, 2, 3], [delta], 0, finished)
+
+
+class FakeCall:
+    """What `handle.options(stream=True).channel.remote(id)` returns, over a local hub."""
+
+    def __init__(self, hub: ChannelHub, channel_id: str):
+        self._gen = hub.serve(channel_id)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._gen.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self._gen.aclose())
+
+
+class FakeEngine:
+    def __init__(self, hub: ChannelHub):
+        self.hub = hub
+        self.channel = self
+        self.opened = 0
+
+    def remote(self, channel_id: str) -> FakeCall:
+        self.opened += 1
+        return FakeCall(self.hub, channel_id)
+
+
+async def open_channel(channels: EngineChannels) -> None:
+    channels.want()
+    for _ in range(100):
+        if channels.replicas:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the channel never opened")
+
+
+def collector() -> tuple[list[RequestOutput], callable]:
+    got: list[RequestOutput] = []
+    return got, got.append
+
+
+def test_outputs_of_many_requests_arrive_in_order_and_complete() -> None:
+    async def main() -> None:
+        hub = ChannelHub("replica-a", capacity=64)
+        channels = EngineChannels(FakeEngine(hub))
+        await open_channel(channels)
+        boxes, got = {}, {}
+        for r in ("r1", "r2", "r3"):
+            boxes[r] = channels.expect(r)
+            box = hub.attach(channels.channel_id)
+            assert box is not None
+            channels.routed(boxes[r], Routed("replica-a", box.instance))
+            got[r], deliver = collector()
+            boxes[r].attach(deliver)
+            for i in range(5):
+                await hub.push(box, r, output(r, i, finished=i == 4))
+        await asyncio.sleep(0.05)
+        for r in got:
+            assert [o.deltas[0].token_ids[0] for o in got[r]] == [0, 1, 2, 3, 4]
+            assert got[r][-1].finished and boxes[r].done
+            # The prompt is the ingress's already: later outputs do not carry it again.
+            assert all(o.prompt_token_ids == [] for o in got[r])
+        stats = hub.stats()
+        assert stats["channel_outputs"] == 15
+        assert stats["channel_items"] < 15  # outputs of one wake-up travel as one item
+        channels.close()
+
+    asyncio.run(main())
+
+
+def test_outputs_that_arrive_before_the_reader_attaches_wait_for_it() -> None:
+    async def main() -> None:
+        hub = ChannelHub("replica-a", capacity=64)
+        channels = EngineChannels(FakeEngine(hub))
+        await open_channel(channels)
+        mailbox = channels.expect("r1")
+        box = hub.attach(channels.channel_id)
+        for i in range(3):
+            await hub.push(box, "r1", output("r1", i, finished=i == 2))
+        await asyncio.sleep(0.05)  # delivered before the call said `Routed`
+        channels.routed(mailbox, Routed("replica-a", box.instance))
+        got, deliver = collector()
+        mailbox.attach(deliver)
+        assert [o.deltas[0].token_ids[0] for o in got] == [0, 1, 2]
+        channels.close()
+
+    asyncio.run(main())
+
+
+def test_a_second_channel_from_the_same_ingress_ends_at_once() -> None:
+    async def main() -> None:
+        hub = ChannelHub("replica-a", capacity=8)
+        first = hub.serve("ingress-1")
+        hello = await first.__anext__()
+        assert not hello.duplicate
+        second = [item async for item in hub.serve("ingress-1")]
+        assert len(second) == 1 and second[0].duplicate
+        assert hub.stats()["output_channels"] == 1
+        await first.aclose()
+        assert hub.stats()["output_channels"] == 0
+
+    asyncio.run(main())
+
+
+def test_an_idle_channel_ends_and_later_requests_use_their_own_call() -> None:
+    async def main() -> None:
+        hub = ChannelHub("replica-a", capacity=8, idle_s=0.05)
+        items = [item async for item in hub.serve("ingress-1")]  # ends by itself
+        assert len(items) == 1
+        assert hub.attach("ingress-1") is None
+        assert hub.stats()["output_channels"] == 0
+
+    asyncio.run(main())
+
+
+def test_a_channel_with_a_request_attached_stays_open_past_its_idle_time() -> None:
+    async def main() -> None:
+        hub = ChannelHub("replica-a", capacity=8, idle_s=0.05)
+        gen = hub.serve("ingress-1")
+        await gen.__anext__()
+        box = hub.attach("ingress-1")
+        nxt = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.2)
+        assert not nxt.done() and not box.closed
+        await hub.push(box, "r1", output("r1", 0, finished=True))
+        batch = await nxt
+        assert [rid for rid, _ in batch] == ["r1"] and batch[0][1].finished
+        hub.detach(box)
+        with pytest.raises(StopAsyncIteration):
+            await gen.__anext__()  # idle again: the channel ends
+
+    asyncio.run(main())
+
+
+def test_a_lagging_channel_reader_holds_the_request_back_at_capacity() -> None:
+    async def main() -> None:
+        hub = ChannelHub("replica-a", capacity=2)
+        gen = hub.serve("ingress-1")
+        await gen.__anext__()
+        box = hub.attach("ingress-1")
+        await hub.push(box, "r1", output("r1", 0))
+        third = asyncio.ensure_future(hub.push(box, "r1", output("r1", 1)))
+        await asyncio.sleep(0.05)
+        assert not third.done()  # two queued and nobody reading: the producer waits
+        batch = await gen.__anext__()
+        assert [rid for rid, _ in batch] == ["r1", "r1"]
+        await asyncio.wait_for(third, 1)
+        await gen.aclose()
+        with pytest.raises(ChannelClosed):
+            await hub.push(box, "r1", output("r1", 2))
+
+    asyncio.run(main())
+
+
+def test_a_channel_that_ends_fails_its_waiting_requests_as_engine_lost() -> None:
+    async def main() -> None:
+        hub = ChannelHub("replica-a", capacity=8)
+        engine = FakeEngine(hub)
+        channels = EngineChannels(engine)
+        await open_channel(channels)
+        mailbox = channels.expect("r1")
+        box = hub.attach(channels.channel_id)
+        channels.routed(mailbox, Routed("replica-a", box.instance))
+        got, deliver = collector()
+        mailbox.attach(deliver)
+        await hub.push(box, "r1", output("r1", 0))
+        await asyncio.sleep(0.05)
+        channels.close()  # the reader goes (as when the replica's call fails)
+        await asyncio.sleep(0.05)
+        assert len(got) == 2
+        assert got[-1].finished and got[-1].error_code == "engine_lost"
+        # A request routed to that channel after it ended fails at once, never waits.
+        late = channels.expect("r2")
+        channels.routed(late, Routed("replica-a", box.instance))
+        late_got, deliver = collector()
+        late.attach(deliver)
+        assert late_got and late_got[0].error_code == "engine_lost"
+
+    asyncio.run(main())
+
+
+def test_an_unchannelled_request_opens_one_channel_at_a_time() -> None:
+    async def main() -> None:
+        hub = ChannelHub("replica-a", capacity=8)
+        engine = FakeEngine(hub)
+        channels = EngineChannels(engine)
+        for r in ("r1", "r2", "r3"):
+            channels.routed(channels.expect(r), Routed("replica-a", None))
+        await asyncio.sleep(0.05)
+        assert engine.opened == 1 and "replica-a" in channels.replicas
+        channels.close()
+
+    asyncio.run(main())
