@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 
 import httpx
@@ -107,15 +108,27 @@ async def mixed(url, admin_url, model, num_normal, num_slow, rounds, max_tokens)
     return sum(rates) / len(rates)
 
 
+async def _engine_handle(serve):
+    return serve.get_deployment_handle("engine", app_name="serve-app")
+
+
+async def _ask_stats(engine) -> dict:
+    return await engine.stats.remote()
+
+
 def disconnect_to_baseline(url: str, model: str, trials: int) -> list[float]:
     """Seconds from closing a stream mid-generation until the engine reports its KV blocks
     and live requests back at the idle baseline (polled through the engine handle)."""
     from ray import serve
 
-    engine = serve.get_deployment_handle("engine", app_name="serve-app")
+    # Serve's router runs on its caller's event loop (serve_app/ray_env.py): the handle lives
+    # on a loop of its own, in a thread, for the synchronous polling below.
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    engine = asyncio.run_coroutine_threadsafe(_engine_handle(serve), loop).result()
 
     def stats() -> dict:
-        return engine.stats.remote().result()
+        return asyncio.run_coroutine_threadsafe(_ask_stats(engine), loop).result()
 
     baseline = stats()["kv_blocks_used"]
     times = []

@@ -8,7 +8,15 @@ its processes (controller, proxy, replicas) starts, and they inherit it from the
   `benchmarks/serve_hop.py` measures about 140 µs of CPU per item on the two sides of a
   hop instead of about 730, and at 16 streams the served tokens/s rise by about 30% (README).
 
-An operator's own value of either setting is left in place. A cluster started by `ray
+- Serve's user code and router on each process's own event loop
+  (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`, `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`,
+  part of Serve's own throughput profile): every streamed item otherwise crosses between two
+  or three event loops in each process it passes. Measured with `benchmarks/serving.py` on
+  the `bench` checkpoint: the serving path's CPU per token fell by about a fifth and 16
+  streams made ~20% more tokens/s (docs/benchmarks.md). Sync methods still run in Serve's
+  thread pool, so a blocking call never holds the loop.
+
+An operator's own value of any setting is left in place. A cluster started by `ray
 start` (or by Ray's `serve run CONFIG`) needs the same settings in that command's
 environment: cluster.yaml has them, docs/deploy.md shows the commands.
 """
@@ -21,7 +29,12 @@ from serve_app.backpressure import proxy_hold as proxy_flow
 
 GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
 # What every node's `ray start` needs in its environment.
-SETTINGS = {proxy_flow.CALLBACK_ENV: proxy_flow.CALLBACK_PATH, GRPC_ENV: "1"}
+SETTINGS = {
+    proxy_flow.CALLBACK_ENV: proxy_flow.CALLBACK_PATH,
+    GRPC_ENV: "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
 # A task on the head answers within this (a fresh worker starts in a few seconds).
 PROBE_TIMEOUT_S = 60.0
 
