@@ -163,16 +163,18 @@ def test_a_disconnected_stream_keeps_generating_to_the_end(serve_url):
 
 def test_a_disconnected_sync_client_recovers_the_result_by_idempotency_key(serve_url):
     body = reply_body(max_output_tokens=300)
-    # The client must leave before the end. An early EOS can end a generation inside 50 ms,
-    # so each try takes a fresh key until one generation outlives its client.
+    # The client must leave after the server has taken the request (a client gone before
+    # that left nothing to recover: 50 ms was sometimes too soon on a loaded machine) and
+    # before the end. An early EOS can end a generation first, so each try takes a fresh key
+    # until one generation outlives its client.
     for _ in range(10):
         key = {"Idempotency-Key": f"draft-{uuid.uuid4()}"}
         try:
-            httpx.post(f"{serve_url}/v1/generations", json=body, headers=key, timeout=0.05)
+            httpx.post(f"{serve_url}/v1/generations", json=body, headers=key, timeout=0.25)
         except httpx.ReadTimeout:
             break
     else:
-        pytest.fail("every generation ended within 50 ms: no client left before the end")
+        pytest.fail("every generation ended within 0.25 s: no client left before the end")
     # The retry is the same generation (not a new one), waited for to its end.
     r = create(serve_url, body, key)
     assert r.status_code == 200 and r.headers["idempotent-replayed"] == "true"
