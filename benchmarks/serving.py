@@ -3,7 +3,7 @@ driven directly on the same fresh requests at 16 and 64 streams (interleaved run
 recorded), with the serving path's CPU per output token by process from /proc; the serving
 path's share of an idle server's time to first token; constrained vs unconstrained decode;
 grammar compile cache hit vs miss. Prints JSON; with --out also writes a PNG next to it.
-`--replicas 1,2` instead compares engine replica counts at one concurrency (default 32).
+Engine replica counts are compared by `benchmarks/replicas.py`.
 """
 
 from __future__ import annotations
@@ -283,12 +283,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     parser.add_argument(
-        "--replicas",
-        default=None,
-        help="only compare engine replica counts (e.g. 1,2) at --replica-concurrency",
-    )
-    parser.add_argument("--replica-concurrency", type=int, default=32)
-    parser.add_argument(
         "--runs", type=int, default=3, help="interleaved HTTP / direct runs per compared level"
     )
     parser.add_argument(
@@ -302,10 +296,6 @@ def main() -> None:
 
     checkpoint = resolve_model("tiny" if args.quick else args.model)
     path = checkpoint.path
-    if args.replicas:
-        counts = [int(x) for x in args.replicas.split(",")]
-        write_json(replicas_comparison(args, checkpoint, counts), args.out)
-        return
     levels = [int(x) for x in args.levels.split(",")]
     reqs = mixed_requests(max(2 * max(levels), 16), 2048, (64, 256), (args.max_tokens,) * 2)
     port = int(os.environ.get("BENCH_PORT", "0")) or free_port()
@@ -376,51 +366,6 @@ def constrained_comparison(url: str, model: str, args: argparse.Namespace) -> di
         "json_schema_tok_s": constrained16["output_tok_s"],
         "ratio": plain16["itl_ms"]["p50"] / constrained16["itl_ms"]["p50"],
         "target_ratio": JSON_DECODE_TARGET,
-    }
-
-
-def replicas_comparison(args: argparse.Namespace, checkpoint, counts: list[int]) -> dict:
-    """The same load at one concurrency against 1, 2, ... engine replicas (TP=1 each), one
-    server start per count. On a machine with few cores the replicas share them: the ratio
-    then measures the cost of splitting the batch, not a speed-up."""
-    from serve_app.config.options import ServeConfig
-    from serve_app.server import start, stop
-
-    c = args.replica_concurrency
-    path = checkpoint.path
-    reqs = mixed_requests(max(4 * c, 16), 2048, (64, 256), (args.max_tokens,) * 2)
-    runs = []
-    for n in counts:
-        config = ServeConfig(
-            model=path,
-            port=free_port(),
-            admin_port=free_port(),
-            engine={
-                "replica_cpus": args.threads,
-                "max_model_len": 1024,
-                "num_replicas": n,
-                **UNBOUNDED_QUEUE,
-            },
-        )
-        url = start(config, ray_init_kwargs={"num_cpus": 8})
-        try:
-            asyncio.run(http_level(url, config.model_id, reqs[:8], 8))  # warm-up
-            level = asyncio.run(http_level(url, config.model_id, reqs, c))
-            time.sleep(1)  # replicas report their stats a few times a second
-            stats = httpx.get(f"http://127.0.0.1:{config.admin_port}/admin/v1/stats").json()
-            # Requests each replica took, warm-up included: Serve spreads them.
-            served = sorted(r["requests_total"] for r in stats["replicas"])
-            runs.append({"replicas": n, **level, "requests_per_replica": served})
-        finally:
-            stop()
-    base = runs[0]["output_tok_s"]
-    return {
-        "checkpoint": checkpoint.label,
-        "dtype": "float32",
-        "cpus": os.cpu_count(),
-        "threads_per_replica": args.threads,
-        "runs": runs,
-        "tok_s_ratio_vs_first": [r["output_tok_s"] / base for r in runs],
     }
 
 
