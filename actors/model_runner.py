@@ -10,10 +10,11 @@ from actors.config import CacheConfig, ModelConfig
 from actors.forward_context import (
     AttentionMetadata,
     DecodeBucket,
+    DecodeRows,
     PrefillSeqMeta,
     set_forward_context,
 )
-from actors.layers.attention import TorchPagedAttention
+from actors.layers.attention import InPlacePagedAttention, TorchPagedAttention
 from actors.messages import (
     GrammarMasks,
     PromptLogprobsChunk,
@@ -23,7 +24,11 @@ from actors.messages import (
 )
 from actors.models.loader import build_model
 from actors.parallel_state import get_tp_group
-from actors.platform import kv_cache_budget_bytes, persistent_decode_gather
+from actors.platform import (
+    inplace_decode_attention,
+    kv_cache_budget_bytes,
+    persistent_decode_gather,
+)
 from actors.prompt_logprobs import compute_prompt_logprobs
 from actors.sampler import Sampler, SeqSamplingState
 
@@ -54,11 +59,17 @@ class ModelRunner:
         self.device = device
         tp = get_tp_group()
         self.is_driver = tp.rank == 0
-        self.backend = TorchPagedAttention(
-            model_config.num_heads // tp.world_size,
-            max(1, model_config.num_kv_heads // tp.world_size),
-            model_config.head_dim,
-        )
+        heads = model_config.num_heads // tp.world_size
+        kv_heads = max(1, model_config.num_kv_heads // tp.world_size)
+        # Decode reads the paged cache in place where the engine's CPU kernel runs; else
+        # (CUDA, or no compiler) it gathers each bucket's blocks for torch's matmuls.
+        self.in_place_decode = inplace_decode_attention(device)
+        if self.in_place_decode:
+            self.backend: TorchPagedAttention = InPlacePagedAttention(
+                heads, kv_heads, model_config.head_dim, model_config.sliding_window
+            )
+        else:
+            self.backend = TorchPagedAttention(heads, kv_heads, model_config.head_dim)
         self.model = build_model(model_config, self.backend, device)
         self.num_local_kv_heads = self.backend.num_kv_heads
         self.block_size = cache_config.block_size
@@ -67,7 +78,7 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, seed)
         self.states: dict[str, SeqSamplingState] = {}
         self._pending: _Pending | None = None
-        self.keep_gathers = persistent_decode_gather(device)
+        self.keep_gathers = persistent_decode_gather(device) and not self.in_place_decode
         self.kept_gather_budget = 0
         # Per bucket slot of the last step that completed: the key of its kept gather, or None.
         self._gathered: list[tuple | None] = []
@@ -183,9 +194,12 @@ class ModelRunner:
                 meta.prefills.append(self._prefill_meta(item, q_start, q_len, ctx_len))
                 meta.num_prefill_tokens = len(input_ids)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        meta.decode_buckets = self._decode_buckets(
-            decode_ctx, decode_tables, decode_ids, previous or []
-        )
+        if self.in_place_decode:
+            meta.decode_rows = self._decode_rows(decode_ctx, decode_tables)
+        else:
+            meta.decode_buckets = self._decode_buckets(
+                decode_ctx, decode_tables, decode_ids, previous or []
+            )
         # Logit rows in item order, which is the order the caller expects samples in.
         logits_rows = [row_of_item[i] for i in range(len(items)) if i in row_of_item]
         to_dev = dict(dtype=torch.long, device=self.device)
@@ -217,6 +231,18 @@ class ModelRunner:
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         zero = torch.zeros((), dtype=self.config.dtype, device=self.device)
         return torch.where(allowed, zero, torch.finfo(self.config.dtype).min)
+
+    def _decode_rows(self, ctx: list[int], tables: list[list[int]]) -> DecodeRows | None:
+        if not ctx:
+            return None
+        width = -(-max(ctx) // self.block_size)
+        padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
+        as_int = dict(dtype=torch.int32, device=self.device)
+        return DecodeRows(
+            block_tables=torch.tensor(padded, **as_int),
+            row_seq=torch.arange(len(ctx), **as_int),
+            row_ctx=torch.tensor(ctx, **as_int),
+        )
 
     def _decode_buckets(
         self, ctx: list[int], tables: list[list[int]], ids: list[str], previous: list

@@ -65,6 +65,17 @@ def persistent_decode_gather(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("SERVE_APP_DECODE_GATHER_REUSE", "1") != "0"
 
 
+def inplace_decode_attention(device: torch.device) -> bool:
+    """Decode attention through the engine's own CPU kernel, which reads the paged KV cache
+    in place (actors/csrc/paged_attention.cpp), unless `SERVE_APP_DECODE_ATTENTION=gather`
+    or the kernel cannot be built here. CUDA keeps torch's kernels (gathers and matmuls)."""
+    if device.type != "cpu" or os.environ.get("SERVE_APP_DECODE_ATTENTION", "") == "gather":
+        return False
+    from actors.layers import kernels
+
+    return kernels.available()
+
+
 def distributed_backend() -> str:
     return "nccl" if is_cuda() else "gloo"
 

@@ -9,12 +9,16 @@ from actors import LLM, SamplingParams
 from actors.model_runner import _only_fresh_changed
 
 REUSE_ENV = "SERVE_APP_DECODE_GATHER_REUSE"
+ATTENTION_ENV = "SERVE_APP_DECODE_ATTENTION"
 
 
-def _run(path: str, monkeypatch, reuse: bool, **llm_options) -> tuple[dict, dict]:
+def _run(
+    path: str, monkeypatch, reuse: bool, attention: str = "gather", **llm_options
+) -> tuple[dict, dict]:
     """Staggered arrivals (buckets change members), 4-token blocks (sequences cross block
     boundaries every few steps), prompts that share a prefix, n=2 and seeded sampling."""
     monkeypatch.setenv(REUSE_ENV, "1" if reuse else "0")
+    monkeypatch.setenv(ATTENTION_ENV, attention)
     llm = LLM(model=path, block_size=4, **llm_options)
     runner = llm.engine.executor.worker.runner
     shared = list(range(300, 340))
@@ -59,6 +63,23 @@ def test_kept_gathers_generate_what_fresh_gathers_do(model_dirs, monkeypatch, op
     assert kept_counts["kept"] >= min_reused * kept_counts["buckets"]
     assert len(kept) == 11  # ten requests, one with two samples
     assert kept == fresh  # same tokens, same logprobs, bit for bit
+
+
+@pytest.mark.parametrize("options", [{}, {"num_kv_blocks": 48}], ids=["roomy", "preempting"])
+def test_in_place_decode_attention_generates_what_the_gathers_do(model_dirs, monkeypatch, options):
+    """The CPU kernel that reads the paged cache in place: the same tokens as the gathering
+    path, logprobs within fp32 rounding (it sums in another order)."""
+    path = str(model_dirs("llama"))
+    gathered, _ = _run(path, monkeypatch, False, **options)
+    in_place, counts = _run(path, monkeypatch, True, attention="in_place", **options)
+    assert counts["buckets"] == 0  # no gathers at all
+    assert in_place.keys() == gathered.keys()
+    for key, want in gathered.items():
+        got = in_place[key]
+        assert [t for t, _, _ in got] == [t for t, _, _ in want], key
+        for (_, lp, top), (_, lp_want, top_want) in zip(got, want, strict=True):
+            assert lp == pytest.approx(lp_want, abs=1e-4)
+            assert [t for t, _ in top] == [t for t, _ in top_want]
 
 
 def test_a_gather_is_reused_only_when_just_the_newest_blocks_moved():

@@ -1,0 +1,145 @@
+"""The engine's CPU decode-attention kernel (actors/csrc/paged_attention.cpp): it reads each
+sequence's blocks where they lie in the paged cache, and must give what attention over the
+same keys and values laid out contiguously gives: for every head layout, head dim, window and
+dtype the engine serves, with several query rows per sequence (the verification shape of
+speculative decoding), and independent of the other rows in the call."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actors import platform
+from actors.layers import kernels
+
+
+def test_the_project_builds_its_kernels_on_this_machine():
+    # The install builds them (make venv); a machine with a compiler must have them, or the
+    # engine silently runs the slower gathering path.
+    assert kernels.available()
+    assert platform.inplace_decode_attention(torch.device("cpu"))
+
+
+def _cache(heads_kv, num_blocks, block_size, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (heads_kv, num_blocks, block_size, d)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def _reference(q, k_cache, v_cache, table, ctx, window):
+    """Attention of one query row (heads, d) over the sequence's first `ctx` positions."""
+    h_kv, _, bs, d = k_cache.shape
+    keys = k_cache[:, table].reshape(h_kv, -1, d)[:, :ctx].float()
+    values = v_cache[:, table].reshape(h_kv, -1, d)[:, :ctx].float()
+    first = max(0, ctx - window) if window else 0
+    keys, values = keys[:, first:], values[:, first:]
+    group = q.shape[0] // h_kv
+    keys = keys.repeat_interleave(group, 0)
+    values = values.repeat_interleave(group, 0)
+    scores = (q.float().unsqueeze(1) @ keys.transpose(1, 2)).squeeze(1) / math.sqrt(d)
+    return (scores.softmax(-1).unsqueeze(1) @ values).squeeze(1).reshape(-1)
+
+
+def _call(q, k_cache, v_cache, tables, row_seq, row_ctx, window=0):
+    d = q.shape[-1]
+    return torch.ops.serve_app.paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(row_seq, dtype=torch.int32),
+        torch.tensor(row_ctx, dtype=torch.int32),
+        window,
+        1.0 / math.sqrt(d),
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "window"),
+    [(9, 3, 64, 0), (8, 4, 64, 0), (4, 4, 128, 0), (8, 2, 16, 0), (8, 4, 64, 5), (6, 2, 48, 0)],
+    ids=["smollm2", "bench", "mha-128", "tiny-16", "window", "odd-dim"],
+)
+def test_decode_rows_match_attention_over_contiguous_kv(heads, kv_heads, d, window):
+    block_size, num_blocks = 4, 40
+    k_cache, v_cache = _cache(kv_heads, num_blocks, block_size, d, torch.float32)
+    # Scattered, non-monotonic block ids; contexts ending mid-block and on a block's edge.
+    tables = [[7, 2, 30, 11, 5], [1, 39, 0, 0, 0], [25, 3, 17, 9, 0]]
+    contexts = [19, 8, 13]
+    q = torch.randn(3, heads, d, generator=torch.Generator().manual_seed(1))
+    out = _call(q, k_cache, v_cache, tables, [0, 1, 2], contexts, window)
+    assert out.shape == (3, heads * d)
+    for r in range(3):
+        want = _reference(q[r], k_cache, v_cache, tables[r], contexts[r], window)
+        torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-5)
+
+
+def test_several_rows_of_one_sequence_are_causal_within_them():
+    """1 + k rows sharing a block table, each seeing one more position: what causal attention
+    over the whole context computes for the last 1 + k positions."""
+    heads, kv_heads, d, block_size = 9, 3, 64, 4
+    k_cache, v_cache = _cache(kv_heads, 16, block_size, d, torch.float32)
+    table = [3, 9, 1, 12, 6]
+    ctx, k = 18, 4
+    q = torch.randn(1 + k, heads, d, generator=torch.Generator().manual_seed(2))
+    rows = list(range(ctx - k, ctx + 1))
+    out = _call(q, k_cache, v_cache, [table], [0] * (1 + k), rows)
+    keys = k_cache[:, table].reshape(kv_heads, -1, d)[:, :ctx]
+    values = v_cache[:, table].reshape(kv_heads, -1, d)[:, :ctx]
+    mask = torch.arange(ctx).unsqueeze(0) < torch.tensor(rows).unsqueeze(1)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True
+    )
+    torch.testing.assert_close(out, want.transpose(0, 1).reshape(1 + k, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    k_cache, v_cache = _cache(3, 32, 4, 64, torch.float32)
+    q = torch.randn(4, 9, 64, generator=torch.Generator().manual_seed(3))
+    tables = [[5, 6, 7, 0], [1, 2, 0, 0], [9, 10, 11, 12], [20, 0, 0, 0]]
+    together = _call(q, k_cache, v_cache, tables, [0, 1, 2, 3], [14, 7, 16, 2])
+    alone = _call(q[2:3].contiguous(), k_cache, v_cache, [tables[2]], [0], [16])
+    assert torch.equal(together[2], alone[0])  # bit for bit
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches(dtype):
+    k_cache, v_cache = _cache(4, 20, 4, 64, dtype)
+    q = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    tables = [[3, 4, 5], [10, 11, 0]]
+    out = _call(q, k_cache, v_cache, tables, [0, 1], [11, 6])
+    assert out.dtype == dtype
+    for r, ctx in enumerate([11, 6]):
+        want = _reference(q[r], k_cache, v_cache, tables[r], ctx, 0)
+        torch.testing.assert_close(out[r].float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_arguments_raise_naming_the_problem():
+    k_cache, v_cache = _cache(2, 8, 4, 16, torch.float32)
+    q = torch.randn(1, 4, 16)
+    with pytest.raises(RuntimeError, match="int32"):
+        torch.ops.serve_app.paged_decode_attention(
+            q, k_cache, v_cache, torch.zeros(1, 2, dtype=torch.long),
+            torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0, 0.25,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="dtype"):
+        _call(q.double(), k_cache, v_cache, [[0, 1]], [0], [5])
+    with pytest.raises(RuntimeError, match="one sequence and one context length per query row"):
+        _call(q, k_cache, v_cache, [[0, 1]], [0, 0], [5, 5])
+
+
+def test_cuda_keeps_torchs_attention_and_gather_can_be_chosen(monkeypatch):
+    assert platform.inplace_decode_attention(torch.device("cuda", 0)) is False
+    monkeypatch.setenv("SERVE_APP_DECODE_ATTENTION", "gather")
+    assert platform.inplace_decode_attention(torch.device("cpu")) is False
+
+
+def test_a_failed_build_leaves_torchs_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(kernels, "_loaded", None)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path / "cache"))
+    assert kernels.available() is False
+    assert "using torch's ops" in caplog.text
+    assert kernels.available() is False  # decided once per process
