@@ -76,6 +76,18 @@ def inplace_decode_attention(device: torch.device) -> bool:
     return kernels.available()
 
 
+def fused_cpu_ops(device: torch.device) -> bool:
+    """RMSNorm (with its residual add), rotary and SiLU-and-mul each as one pass of the
+    engine's own CPU kernels (actors/csrc/fused_ops.cpp) instead of a chain of torch ops,
+    unless `SERVE_APP_CPU_FUSED_OPS=0` or the kernels cannot be built here. CUDA keeps
+    torch's ops."""
+    if device.type != "cpu" or os.environ.get("SERVE_APP_CPU_FUSED_OPS", "1") == "0":
+        return False
+    from actors.layers import kernels
+
+    return kernels.available()
+
+
 def distributed_backend() -> str:
     return "nccl" if is_cuda() else "gloo"
 

@@ -25,26 +25,9 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+#include "vec_math.h"
 
-// exp(x) for x <= 0 to about 2 ulp: Cody-Waite range reduction and a degree-6 polynomial,
-// written as plain arithmetic so the compiler vectorizes the loop that calls it.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
+namespace {
 
 // Sixteen floats as one value: the compiler maps it onto the vector unit it has (one AVX-512
 // register, two AVX2 ones). Head dims that are multiples of 16 take this path.
@@ -167,7 +150,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) {
-          s[i] = exp_nonpositive(s[i] - top);
+          s[i] = fast_exp(s[i] - top);
           sum += s[i];
         }
         total[g] = sum;

@@ -25,7 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp",)
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp")
+HEADERS = (CSRC / "vec_math.h",)
 # -march=native: the library is built on the machine that runs it, for the vector units it has.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
 CACHE_ENV = "SERVE_APP_KERNEL_CACHE"
@@ -58,7 +60,7 @@ def _build_key(compiler: str) -> str:
     digest = hashlib.sha256()
     for part in (torch.__version__, version, " ".join(FLAGS), platform.machine(), _cpu_flags()):
         digest.update(part.encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:20]
 

@@ -5,6 +5,9 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    # Set on CPU by `actors.layers.fused.use_fused_ops`: one pass of the engine's kernel.
+    fused = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -13,7 +16,13 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With `residual`, returns (norm(x + residual), x + residual) like fused kernels do."""
+        """With `residual`, returns (norm(x + residual), x + residual) like fused kernels do;
+        the fused path computes them in the storage of `x` and `residual`."""
+        if self.fused:
+            if residual is None:
+                return torch.ops.serve_app.rms_norm(x, self.weight, self.eps)
+            torch.ops.serve_app.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is not None:
             x = x + residual
             residual = x

@@ -31,6 +31,9 @@ def inv_freq_and_scale(
 
 
 class RotaryEmbedding(nn.Module):
+    # Set on CPU by `actors.layers.fused.use_fused_ops`: q and k rotated in place.
+    fused = False
+
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scale: float):
         super().__init__()
         positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
@@ -44,6 +47,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (num_tokens, num_heads, head_dim); k: (num_tokens, num_kv_heads, head_dim)
+        if self.fused:
+            torch.ops.serve_app.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
         rows = self._rows
         # NOTE: `is`, not equality: the step's one positions tensor, kept alive by the cache
         # itself, so a later step's tensor can never pass for it.

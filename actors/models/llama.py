@@ -48,6 +48,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    # Set on CPU by `actors.layers.fused.use_fused_ops`: SiLU and the product in one pass.
+    fused = False
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         size = config.intermediate_size
@@ -55,7 +58,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, what="intermediate size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(torch.ops.serve_app.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from actors.config import ModelConfig
 from actors.layers.attention import AttentionBackend
+from actors.layers.fused import use_fused_ops
 from actors.layers.linear import default_weight_loader
 from actors.layers.prepack import prepack_linears
 from actors.layers.rotary import RotaryEmbedding, inv_freq_and_scale
@@ -35,6 +36,7 @@ def build_model(config: ModelConfig, backend: AttentionBackend, device: torch.de
     load_weights(model, config)
     model.eval().requires_grad_(False)
     prepack_linears(model, device, config.dtype)
+    use_fused_ops(model, device)
     return model
 
 

@@ -1,8 +1,11 @@
-"""The engine's CPU decode-attention kernel (actors/csrc/paged_attention.cpp): it reads each
-sequence's blocks where they lie in the paged cache, and must give what attention over the
-same keys and values laid out contiguously gives: for every head layout, head dim, window and
-dtype the engine serves, with several query rows per sequence (the verification shape of
-speculative decoding), and independent of the other rows in the call."""
+"""The engine's CPU kernels (actors/csrc/).
+
+Decode attention reads each sequence's blocks where they lie in the paged cache, and must give
+what attention over the same keys and values laid out contiguously gives: for every head
+layout, head dim, window and dtype the engine serves, with several query rows per sequence
+(the verification shape of speculative decoding), and independent of the other rows in the
+call. The fused small ops (RMSNorm with its residual add, rotary, SiLU-and-mul) must give what
+the torch modules they replace give."""
 
 from __future__ import annotations
 
@@ -12,8 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors import platform
+from actors import LLM, SamplingParams, platform
 from actors.layers import kernels
+from actors.layers.norm import RMSNorm
+from actors.layers.rotary import RotaryEmbedding
+from actors.models.llama import LlamaMLP
 
 
 def test_the_project_builds_its_kernels_on_this_machine():
@@ -21,6 +27,7 @@ def test_the_project_builds_its_kernels_on_this_machine():
     # engine silently runs the slower gathering path.
     assert kernels.available()
     assert platform.inplace_decode_attention(torch.device("cpu"))
+    assert platform.fused_cpu_ops(torch.device("cpu"))
 
 
 def _cache(heads_kv, num_blocks, block_size, d, dtype, seed=0):
@@ -130,10 +137,77 @@ def test_bad_arguments_raise_naming_the_problem():
         _call(q, k_cache, v_cache, [[0, 1]], [0, 0], [5, 5])
 
 
-def test_cuda_keeps_torchs_attention_and_gather_can_be_chosen(monkeypatch):
-    assert platform.inplace_decode_attention(torch.device("cuda", 0)) is False
+def test_cuda_keeps_torchs_ops_and_the_cpu_kernels_can_be_switched_off(monkeypatch):
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert platform.inplace_decode_attention(cuda) is False
+    assert platform.fused_cpu_ops(cuda) is False
     monkeypatch.setenv("SERVE_APP_DECODE_ATTENTION", "gather")
-    assert platform.inplace_decode_attention(torch.device("cpu")) is False
+    monkeypatch.setenv("SERVE_APP_CPU_FUSED_OPS", "0")
+    assert platform.inplace_decode_attention(cpu) is False
+    assert platform.fused_cpu_ops(cpu) is False
+
+
+def _fused_and_reference(module, *args):
+    """The module's torch path and its fused path on copies of the same inputs."""
+    module.fused = False
+    want = module(*[a.clone() for a in args])
+    module.fused = True
+    got = module(*[a.clone() for a in args])
+    module.fused = False
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_small_ops_match_the_torch_modules(dtype):
+    g = torch.Generator().manual_seed(5)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=g)
+    norm.to(dtype)
+    x = torch.randn(7, 576, generator=g).to(dtype)
+    residual = torch.randn(7, 576, generator=g).to(dtype)
+    got, want = _fused_and_reference(norm, x)
+    torch.testing.assert_close(got, want, **tolerance)
+    (got, got_res), (want, want_res) = _fused_and_reference(norm, x, residual)
+    torch.testing.assert_close(got, want, **tolerance)
+    assert torch.equal(got_res, want_res)  # x + residual, the same rounding
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    rotary = RotaryEmbedding(64, 128, inv_freq, 1.0)
+    qkv = torch.randn(5, 15 * 64, generator=g).to(dtype)  # q, k as views of the qkv rows
+    positions = torch.tensor([0, 3, 50, 127, 7])
+    rotary.fused = False
+    want_q, want_k = rotary(positions, qkv[:, :576].view(5, 9, 64), qkv[:, 576:768].view(5, 3, 64))
+    rotary.fused = True
+    got_q, got_k = rotary(positions, qkv[:, :576].view(5, 9, 64), qkv[:, 576:768].view(5, 3, 64))
+    torch.testing.assert_close(got_q, want_q, **tolerance)
+    torch.testing.assert_close(got_k, want_k, **tolerance)
+
+    gate_up = torch.randn(6, 2 * 96, generator=g).to(dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = torch.ops.serve_app.silu_and_mul(gate_up)
+    torch.testing.assert_close(got, F.silu(gate) * up, **tolerance)
+
+
+def test_the_model_uses_the_fused_ops_and_generates_what_the_torch_path_does(
+    model_dirs, monkeypatch
+):
+    path = str(model_dirs("llama"))
+    prompts = [list(range(30, 60)), list(range(5, 12))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1, ignore_eos=True)
+    runs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("SERVE_APP_CPU_FUSED_OPS", fused)
+        llm = LLM(model=path)
+        model = llm.engine.executor.worker.runner.model
+        flags = [m.fused for m in model.modules() if isinstance(m, RMSNorm | LlamaMLP)]
+        assert flags and all(f is (fused == "1") for f in flags)
+        runs[fused] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        llm.shutdown()
+    for got, want in zip(runs["1"], runs["0"], strict=True):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
 def test_a_failed_build_leaves_torchs_path(monkeypatch, tmp_path, caplog):

@@ -1,0 +1,203 @@
+// The decoder layer's small ops, each one pass over its rows instead of a chain of torch ops
+// (every one of which allocates, dispatches and walks the tensor again):
+//
+//   rms_norm            out = x / rms(x) * weight
+//   fused_add_rms_norm  residual += x; x = residual / rms(residual) * weight (in place)
+//   rotary_embedding    q, k rotated in place at their positions (neox halves)
+//   silu_and_mul        out = silu(gate) * up, for x = [gate | up]
+//
+// Arithmetic in fp32 whatever the storage dtype, as the torch ops they replace. Built by
+// actors/layers/kernels.py.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "vec_math.h"
+
+namespace {
+
+// Rows per task: small batches stay on one thread (a fork costs more than the work).
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / row_elems); }
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be (rows, hidden) with unit stride");
+}
+
+template <typename T>
+inline float inverse_rms(const T* row, int64_t n, float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = static_cast<float>(row[j]);
+    sum += v * v;
+  }
+  return 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+// weight * (x * inv).to(dtype): the rounding to the storage dtype comes before the weight,
+// as in the torch module.
+template <typename T>
+inline void scale_row(T* out, const T* x, const T* weight, float inv, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float h = static_cast<float>(static_cast<T>(static_cast<float>(x[j]) * inv));
+    out[j] = static_cast<T>(static_cast<float>(weight[j]) * h);
+  }
+}
+
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float eps, at::Tensor& out) {
+  const int64_t n = x.size(1), stride = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * stride;
+      scale_row(op + r * n, row, wp, inverse_rms(row, n, eps), n);
+    }
+  });
+}
+
+template <typename T>
+void add_rms_norm_rows(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
+  const int64_t n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * n;
+      T* rr = rp + r * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j)
+        rr[j] = static_cast<T>(static_cast<float>(xr[j]) + static_cast<float>(rr[j]));
+      scale_row(xr, rr, wp, inverse_rms(rr, n, eps), n);
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
+  const int64_t n = x.size(1) / 2, stride = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * stride;
+      const T* up = gate + n;
+      T* o = op + r * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float g = static_cast<float>(gate[j]);
+        // silu rounded to the storage dtype before the product, as F.silu(gate) * up.
+        const float act = static_cast<float>(static_cast<T>(g / (1.0f + fast_exp(-g))));
+        o[j] = static_cast<T>(act * static_cast<float>(up[j]));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be (hidden,)");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight differ in dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x, weight, static_cast<float>(eps), out);
+  });
+  return out;
+}
+
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous(), "x and residual must be contiguous");
+  check_rows(x, "x");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be (hidden,)");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "x, residual and weight differ in dtype");
+  const int64_t n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_rows<scalar_t>(x, residual, weight, static_cast<float>(eps));
+  });
+}
+
+template <typename T>
+void rotate_rows(T* base, int64_t rows, int64_t heads, int64_t row_stride, int64_t head_stride,
+                 int64_t half, const int64_t* positions, const float* cos, const float* sin) {
+  at::parallel_for(0, rows, grain(heads * half * 2), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cos + positions[r] * half;
+      const float* s = sin + positions[r] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = base + r * row_stride + h * head_stride;
+        T* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = static_cast<float>(x1[j]), b = static_cast<float>(x2[j]);
+          x1[j] = static_cast<T>(a * c[j] - b * s[j]);
+          x2[j] = static_cast<T>(b * c[j] + a * s[j]);
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                      const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "positions must be int64");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "cos and sin must be contiguous float32 (max_position, head_dim / 2)");
+  for (const at::Tensor* t : {&q, &k}) {
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, "q and k must be (tokens, heads, head_dim)");
+    TORCH_CHECK(t->size(0) == positions.numel(), "one position per token");
+    TORCH_CHECK(t->size(2) == 2 * cos.size(1), "head_dim must be twice cos's width");
+  }
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k differ in dtype");
+  const int64_t half = cos.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+    for (at::Tensor* t : {&q, &k})
+      rotate_rows(t->data_ptr<scalar_t>(), t->size(0), t->size(1), t->stride(0), t->stride(1),
+                  half, positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                  sin.data_ptr<float>());
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must be [gate | up] along its last dim");
+  const int64_t n = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
+    silu_and_mul_rows<scalar_t>(x, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(serve_app, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) "
+      "-> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(serve_app, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("fused_add_rms_norm", fused_add_rms_norm);
+  m.impl("rotary_embedding", rotary_embedding);
+  m.impl("silu_and_mul", silu_and_mul);
+}
