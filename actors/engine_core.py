@@ -30,7 +30,8 @@ from actors.outputs import CompletionDelta, RequestOutput
 from actors.request import FinishReason, Sequence
 from actors.sampler import NO_TOKEN
 from actors.sampling_params import SamplingParams
-from actors.scheduler import Scheduler, SchedulerOutput
+from actors.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from actors.spec_decode import Proposer, SpeculativeConfig, make_proposer
 from actors.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,10 @@ class EngineCore:
         scheduler_config: SchedulerConfig | None = None,
         seed: int = 0,
         deadline_config: DeadlineConfig | None = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
     ):
         self.model_config = model_config
+        self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         self.deadline_config = deadline_config or DeadlineConfig(None, None)
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -98,7 +101,19 @@ class EngineCore:
         # Called with each sequence's queue time (arrival to first scheduled step).
         self.on_queue_time: Callable[[float], None] | None = None
         self.deadlines = DeadlineTracker()
-        self.masks = MaskFiller(model_config.vocab_size)
+        spec = self.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        self.proposer: Proposer | None = make_proposer(spec) if spec else None
+        # Proposed and accepted draft tokens, and verifying steps' sequences, since start.
+        self.spec_counts = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_drafts": 0}
+        # One mask row per sampled position a step can have, registered once on every rank.
+        mask_rows = self.scheduler_config.max_num_seqs * (1 + self.num_speculative_tokens)
+        try:
+            self.executor.register_vocab_mask_buffer(mask_rows)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.masks = MaskFiller(model_config.vocab_size, mask_rows)
         # Set once a worker failed: the engine then refuses work and reports unhealthy.
         self.dead: str | None = None
 
@@ -261,12 +276,15 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         self._expire_deadlines()
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
         step_input = self._build_step_input(sched)
         started = time.perf_counter()
-        masks = self.masks.start([s.seq.constraint for s in sched.scheduled if s.will_sample])
+        sampled = [s for s in sched.scheduled if s.will_sample]
+        masks = self.masks.start([s.seq.constraint for s in sampled], [s.draft for s in sampled])
         try:
             result = self.executor.execute(step_input, masks)
         except ExecutorError as exc:
@@ -276,6 +294,32 @@ class EngineCore:
         self.cost.observe(time.perf_counter() - started, sched.num_batched_tokens)
         self.scheduler.on_step_done(sched)
         return outputs + self._postprocess(sched, result)
+
+    def _propose(self) -> None:
+        """A draft for each running sequence that may speculate this step (see
+        `_speculation_room`); the scheduler trims it to the step's budget and free blocks."""
+        assert self.proposer is not None
+        for seq in self.scheduler.running:
+            room = self._speculation_room(seq)
+            seq.draft_token_ids = self.proposer.propose(seq, room) if room > 0 else []
+
+    def _speculation_room(self, seq: Sequence) -> int:
+        """How many tokens `seq` may have proposed now: 0 unless it is decoding greedily with
+        nothing else to compute, its grammar (if any) is still open, and committing the whole
+        draft plus the bonus token stays within max_tokens and max_model_len."""
+        p = seq.params
+        if (
+            not p.is_greedy
+            or seq.num_uncomputed_tokens != 1
+            or seq.awaiting_constraint
+            or seq.wants_prompt_logprobs
+            or (seq.constraint is not None and seq.constraint.is_terminated())
+        ):
+            return 0
+        left = min(
+            p.max_tokens - seq.num_output_tokens, self.model_config.max_model_len - seq.num_tokens
+        )
+        return min(self.num_speculative_tokens, left - 1)
 
     def _build_step_input(self, sched: SchedulerOutput) -> StepInput:
         items = []
@@ -288,10 +332,11 @@ class EngineCore:
             start = s.seq.num_computed_tokens
             # Score the prompt only where this chunk reaches indices not reported yet.
             reaches_new = start + s.num_new_tokens > len(s.seq.prompt_logprobs)
+            own = s.num_new_tokens - len(s.draft)
             items.append(
                 ScheduledItem(
                     seq_id=s.seq.seq_id,
-                    token_ids=s.seq.token_ids[start : start + s.num_new_tokens],
+                    token_ids=s.seq.token_ids[start : start + own] + s.draft,
                     start_pos=start,
                     block_table=list(s.seq.block_table),
                     sample=s.will_sample,
@@ -300,6 +345,7 @@ class EngineCore:
                         if s.seq.wants_prompt_logprobs and reaches_new
                         else None
                     ),
+                    num_draft=len(s.draft),
                 )
             )
         step = StepInput(items, self._new_seqs, self._finished_seq_ids)
@@ -332,13 +378,16 @@ class EngineCore:
     def _postprocess(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         self._collect_prompt_logprobs(sched, result)
         touched: dict[str, _RequestState] = {}
-        sampled = [s.seq for s in sched.scheduled if s.will_sample]
-        for j, seq in enumerate(sampled):
+        sampled = [s for s in sched.scheduled if s.will_sample]
+        for j, item in enumerate(sampled):
+            seq = item.seq
             state = self.requests[seq.request_id]
             token = result.sampled_token_ids[j]
             logprobs = result.logprobs[j] if result.logprobs else None
             touched[seq.request_id] = state
             self._advance(state, seq, token, logprobs)
+            if item.draft:
+                self._commit_verified(state, item, j, result)
         outputs = []
         for state in touched.values():
             seq0 = state.seqs[0]
@@ -357,6 +406,28 @@ class EngineCore:
                 self.requests.pop(state.request_id, None)
                 self.deadlines.discard(state.request_id)
         return outputs
+
+    def _commit_verified(
+        self, state: _RequestState, item: ScheduledSeq, j: int, result: StepOutput
+    ) -> None:
+        """The rest of what verifying `item`'s draft committed, token by token as ordinary
+        decode would have: each accepted draft token's KV counts as computed just before the
+        next token lands (so the prefix cache hashes only committed tokens), a stop cuts the
+        run there, and the blocks taken for rejected positions go back."""
+        seq = item.seq
+        more = result.more_token_ids.get(j, [])
+        more_logprobs = result.more_logprobs.get(j)
+        counts = self.spec_counts
+        counts["spec_drafts"] += 1
+        counts["spec_proposed_tokens"] += len(item.draft)
+        # All but the last committed token are accepted draft tokens; the last is the target's.
+        counts["spec_accepted_tokens"] += len(more)
+        for i, token in enumerate(more):
+            if seq.is_finished:
+                break
+            self.scheduler.commit_draft_token(seq)
+            self._advance(state, seq, token, more_logprobs[i] if more_logprobs else None)
+        self.scheduler.drop_rejected(seq)
 
     @staticmethod
     def _collect_prompt_logprobs(sched: SchedulerOutput, result: StepOutput) -> None:
@@ -418,6 +489,7 @@ class EngineCore:
     def stats(self) -> dict[str, int]:
         return {
             **self.scheduler.stats(),
+            **self.spec_counts,
             "live_requests": len(self.requests),
             "requests_total": self.num_requests,
         }

@@ -18,8 +18,14 @@ from actors.messages import GrammarMasks
 from actors.torch_thread import ENGINE_THREAD_PREFIX, name_os_thread
 
 
+def _allows(row, token: int) -> bool:
+    return token >= 0 and bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
 class GrammarConstraint:
-    def __init__(self, compiled: xgr.CompiledGrammar, max_rollback_tokens: int = 0):
+    # Rollback depth: a speculative fill advances a matcher by at most the draft's length and
+    # rolls it back before the step samples (xgrammar keeps that history per matcher).
+    def __init__(self, compiled: xgr.CompiledGrammar, max_rollback_tokens: int = -1):
         self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback_tokens)
         self.num_rejected = 0
 
@@ -36,11 +42,19 @@ class GrammarConstraint:
 
 class MaskFiller:
     """Fills a step's masks on one background thread, all constrained rows in one batched
-    xgrammar call (it releases the GIL, so the forward's Python keeps running). Counts what it
-    did: `stats()` gives steps, rows and seconds spent filling."""
+    xgrammar call per position (it releases the GIL, so the forward's Python keeps running),
+    into one buffer allocated at start-up for every row a step can have. Counts what it did:
+    `stats()` gives steps, rows and seconds spent filling.
 
-    def __init__(self, vocab_size: int):
+    A sequence verifying a draft gets one row per position: row j holds the legal tokens after
+    its first j proposed tokens. Each proposed token advances its matcher provisionally (a token
+    illegal at position j stops it there: later rows are never committed), and the matcher is
+    rolled back before the fill returns, so only `accept` of committed tokens moves it for good.
+    """
+
+    def __init__(self, vocab_size: int, max_rows: int):
         self.vocab_size = vocab_size
+        self.max_rows = max_rows
         # Lazily started; its thread exits when the filler is collected or closed.
         self._pool = ThreadPoolExecutor(
             1,
@@ -49,27 +63,62 @@ class MaskFiller:
             initargs=(ENGINE_THREAD_PREFIX + "masks",),
         )
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self.buffer = xgr.allocate_token_bitmask(max_rows, vocab_size)
         self.num_steps = 0
         self.num_rows = 0
         self.fill_seconds = 0.0
 
-    def start(self, constraints: list[GrammarConstraint | None]) -> Future[GrammarMasks] | None:
-        """Begin filling the masks of the step's sampled rows (`constraints[i]` for sampled
-        item i; None where unconstrained). None when no row is constrained."""
-        rows = [i for i, c in enumerate(constraints) if c is not None]
-        if not rows:
+    def start(
+        self, constraints: list[GrammarConstraint | None], drafts: list[list[int]] | None = None
+    ) -> Future[GrammarMasks] | None:
+        """Begin filling the masks of the step's sampled items (`constraints[i]` for sampled
+        item i, None where unconstrained; `drafts[i]` its proposed tokens). None when no row is
+        constrained."""
+        drafts = drafts or [[] for _ in constraints]
+        first_row, n = [], 0
+        for draft in drafts:
+            first_row.append(n)
+            n += 1 + len(draft)
+        if n > self.max_rows:
+            raise ValueError(
+                f"a step of {n} sampled rows exceeds the mask buffer's {self.max_rows}"
+            )
+        work = [(c, first_row[i], drafts[i]) for i, c in enumerate(constraints) if c is not None]
+        if not work:
             return None
-        matchers = [constraints[i].matcher for i in rows]  # type: ignore[union-attr]
-        return self._pool.submit(self._fill, matchers, rows, len(constraints))
+        return self._pool.submit(self._fill, work, n)
 
-    def _fill(self, matchers: list[xgr.GrammarMatcher], rows: list[int], n: int) -> GrammarMasks:
+    def _fill(self, work: list[tuple[GrammarConstraint, int, list[int]]], n: int) -> GrammarMasks:
         started = time.perf_counter()
-        bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        bitmask = self.buffer[:n]
+        rows: list[int] = []
+        advanced = [0] * len(work)
+        live = list(range(len(work)))
+        position = 0
+        while live:
+            matchers = [work[w][0].matcher for w in live]
+            at = [work[w][1] + position for w in live]
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, at)
+            rows.extend(at)
+            still = []
+            for w, row in zip(live, at, strict=True):
+                constraint, _, draft = work[w]
+                if position >= len(draft):
+                    continue
+                token = draft[position]
+                # Provisional: a token this row forbids ends the draft's masks here.
+                if _allows(bitmask[row], token) and constraint.matcher.accept_token(token):
+                    advanced[w] += 1
+                    still.append(w)
+            live = still
+            position += 1
+        for (constraint, _, _), count in zip(work, advanced, strict=True):
+            if count:
+                constraint.matcher.rollback(count)
         self.fill_seconds += time.perf_counter() - started
         self.num_steps += 1
         self.num_rows += len(rows)
-        return GrammarMasks(bitmask, rows)
+        return GrammarMasks(bitmask, sorted(rows))
 
     def stats(self) -> dict[str, float]:
         return {

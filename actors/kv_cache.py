@@ -124,6 +124,19 @@ class BlockManager:
                 self.cached[parent] = block
                 self.block_hash[block] = parent
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the tail blocks of `seq` beyond those `num_tokens` tokens need (taken
+        for positions that turned out not to be kept). They hold no full committed block, so
+        nothing cached goes with them."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+                self.free_queue.move_to_end(block, last=False)
+        del seq.block_hashes[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; tail blocks first so shared prefixes stay cached longest."""
         for block in reversed(seq.block_table):

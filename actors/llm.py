@@ -49,6 +49,7 @@ class LLM:
         max_num_batched_tokens: int = 1024,
         placement_strategy: str = "STRICT_PACK",
         placement_timeout_s: float = 60.0,
+        speculative_config: dict[str, Any] | None = None,
     ):
         from actors.models.gguf import resolve_checkpoint
 
@@ -70,6 +71,7 @@ class LLM:
             ParallelConfig(tensor_parallel_size, placement_strategy, placement_timeout_s),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             seed=seed,
+            speculative_config=speculative_config,
         )
         self._engine: EngineCore | None = engine
         # NOTE: the finalizer keeps only the executor's releaser (rank actors, placement

@@ -37,6 +37,9 @@ class ScheduledItem:
     # Set (to the top-k count) when this chunk's prompt positions must report the logprobs
     # of the prompt tokens that follow them (see actors/prompt_logprobs.py).
     prompt_logprobs: int | None = None
+    # Speculation: the last `num_draft` of `token_ids` are proposed, not committed; the step
+    # samples after each of the `1 + num_draft` positions and returns what verification keeps.
+    num_draft: int = 0
 
 
 @dataclass
@@ -49,8 +52,9 @@ class StepInput:
 @dataclass
 class GrammarMasks:
     """One step's grammar masks, sent after its StepInput (they fill while the forward runs):
-    (num_sampled, ceil(vocab / 32)) int32 xgrammar bitmask rows, of which only `rows`
-    (indices into the step's sampled items, in order) apply."""
+    (num_rows, ceil(vocab / 32)) int32 xgrammar bitmask rows, of which only `rows` apply.
+    A row is one sampled position: one per sampled item, `1 + num_draft` for an item that
+    verifies a draft (row j: the legal tokens after its first j proposed tokens)."""
 
     bitmask: torch.Tensor
     rows: list[int]
@@ -76,9 +80,14 @@ class PromptLogprobsChunk:
 
 @dataclass
 class StepOutput:
-    # One sampled token per item with `sample=True`, in item order.
+    # One sampled token per item with `sample=True`, in item order: for an item that verified
+    # a draft, the first token it commits.
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    # Verifying items only (keyed by the index into `sampled_token_ids`): the tokens committed
+    # after the first, in order, and their logprobs when the request asks.
+    more_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
     # Only for items that asked (`ScheduledItem.prompt_logprobs`).
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
     error: str | None = None

@@ -15,6 +15,7 @@ from actors.forward_context import (
     set_forward_context,
 )
 from actors.layers.attention import InPlacePagedAttention, TorchPagedAttention
+from actors.mask_buffer import VocabMaskBuffer
 from actors.messages import (
     GrammarMasks,
     PromptLogprobsChunk,
@@ -30,7 +31,8 @@ from actors.platform import (
     persistent_decode_gather,
 )
 from actors.prompt_logprobs import compute_prompt_logprobs
-from actors.sampler import Sampler, SeqSamplingState
+from actors.sampler import NO_TOKEN, Sampler, SeqSamplingState
+from actors.spec_decode.verify import accept_greedy
 
 # A decode bucket closes when the next (shorter) context would pad it by more than this.
 _BUCKET_MIN_FILL = 0.75
@@ -84,6 +86,14 @@ class ModelRunner:
         self._gathered: list[tuple | None] = []
         # Decode buckets built, and those served from the last step's gather.
         self.gather_counts = {"buckets": 0, "kept": 0}
+        # The grammar masks every sample reads (`register_vocab_mask_buffer`).
+        self.mask_buffer = VocabMaskBuffer(model_config.vocab_size, device)
+
+    def register_vocab_mask_buffer(self, num_rows: int) -> tuple[int, ...]:
+        """Allocate the step's grammar-mask buffer once (rows: every sampled position a step
+        can have); registering again must name the same shape, else it raises. Returns the
+        shape, which every TP rank must agree on."""
+        return self.mask_buffer.register(num_rows)
 
     # ------------------------------------------------------------------ KV cache
     @property
@@ -147,7 +157,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, masks: GrammarMasks | None = None) -> StepOutput | None:
-        """Draw the tokens of the step `forward` ran (rank 0 only; other ranks return None)."""
+        """Draw the tokens of the step `forward` ran (rank 0 only; other ranks return None).
+        An item verifying a draft samples each of its positions as ordinary decode would have
+        (same penalties, bans and grammar row for the tokens before it) and commits what
+        greedy verification accepts."""
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("sample() without a forward() before it")
@@ -155,25 +168,66 @@ class ModelRunner:
             return None
         if pending.logits is None:
             return StepOutput(sampled_token_ids=[])
-        states = [self.states[item.seq_id] for item in pending.step.items if item.sample]
-        bitmask, rows = (masks.bitmask, masks.rows) if masks is not None else (None, None)
+        sampled = [item for item in pending.step.items if item.sample]
+        states: list[SeqSamplingState] = []
+        for item in sampled:
+            state = self.states[item.seq_id]
+            if not item.num_draft:
+                states.append(state)
+                continue
+            draft = item.token_ids[-item.num_draft :]
+            for j in range(item.num_draft + 1):
+                seen = state.output_token_ids + draft[:j]
+                states.append(SeqSamplingState(state.params, state.prompt_token_ids, seen))
+        bitmask, rows = None, None
+        if masks is not None:
+            bitmask, rows = self.mask_buffer.load(masks.bitmask), masks.rows
         # The logits are this step's own: the sampler may write into them.
         tokens, logprobs = self.sampler(pending.logits, states, bitmask, rows, writable=True)
-        return StepOutput(tokens, logprobs, pending.prompt_logprobs)
+        if len(states) == len(sampled):
+            return StepOutput(tokens, logprobs, prompt_logprobs=pending.prompt_logprobs)
+        out = StepOutput(
+            [], [] if logprobs is not None else None, prompt_logprobs=pending.prompt_logprobs
+        )
+        row = 0
+        for j, item in enumerate(sampled):
+            width = 1 + item.num_draft
+            kept = tokens[row : row + width]
+            if item.num_draft:
+                kept = accept_greedy(item.token_ids[-item.num_draft :], kept)
+                real = self.states[item.seq_id].output_token_ids
+                real.extend(t for t in kept if t != NO_TOKEN)
+            out.sampled_token_ids.append(kept[0])
+            if len(kept) > 1:
+                out.more_token_ids[j] = kept[1:]
+            if logprobs is not None:
+                out.logprobs.append(logprobs[row])  # type: ignore[union-attr]
+                if len(kept) > 1:
+                    out.more_logprobs[j] = logprobs[row + 1 : row + len(kept)]
+            row += width
+        return out
 
     def _prepare(self, items: list[ScheduledItem], previous: list[tuple | None] | None = None):
-        """Flatten the step: prefill chunks first, then single-token (decode) items. Also
-        returns the row of each item's first token, in item order."""
+        """Flatten the step: prefill chunks first, then decode rows (single tokens, and where
+        decode reads the cache in place, drafts under verification: one row per position,
+        sharing the sequence's block table). Also returns the row of each item's first token,
+        in item order."""
         bs = self.block_size
-        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) == 1)
+        in_place = self.in_place_decode
+
+        def is_decode(item: ScheduledItem) -> bool:
+            return len(item.token_ids) == 1 or (in_place and item.num_draft > 0)
+
+        order = sorted(range(len(items)), key=lambda i: is_decode(items[i]))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        row_of_item: dict[int, int] = {}
+        rows_of_item: dict[int, range] = {}
         row_starts = [0] * len(items)
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
         decode_ctx: list[int] = []
         decode_tables: list[list[int]] = []
+        decode_row_seq: list[int] = []
         decode_ids: list[str] = []
         for i in order:
             item = items[i]
@@ -185,23 +239,26 @@ class ModelRunner:
                 positions.append(pos)
                 slots.append(item.block_table[pos // bs] * bs + pos % bs)
             if item.sample:
-                row_of_item[i] = len(input_ids) - 1
-            if q_len == 1:
-                decode_ctx.append(ctx_len)
+                # The last own token's logits, then one row after each proposed token.
+                rows_of_item[i] = range(len(input_ids) - 1 - item.num_draft, len(input_ids))
+            if is_decode(item):
+                for pos in range(item.start_pos, ctx_len):
+                    decode_ctx.append(pos + 1)
+                    decode_row_seq.append(len(decode_tables))
                 decode_tables.append(item.block_table)
                 decode_ids.append(item.seq_id)
             else:
                 meta.prefills.append(self._prefill_meta(item, q_start, q_len, ctx_len))
                 meta.num_prefill_tokens = len(input_ids)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        if self.in_place_decode:
-            meta.decode_rows = self._decode_rows(decode_ctx, decode_tables)
+        if in_place:
+            meta.decode_rows = self._decode_rows(decode_ctx, decode_row_seq, decode_tables)
         else:
             meta.decode_buckets = self._decode_buckets(
                 decode_ctx, decode_tables, decode_ids, previous or []
             )
         # Logit rows in item order, which is the order the caller expects samples in.
-        logits_rows = [row_of_item[i] for i in range(len(items)) if i in row_of_item]
+        logits_rows = [r for i in range(len(items)) if i in rows_of_item for r in rows_of_item[i]]
         to_dev = dict(dtype=torch.long, device=self.device)
         return (
             torch.tensor(input_ids, **to_dev),
@@ -232,7 +289,9 @@ class ModelRunner:
         zero = torch.zeros((), dtype=self.config.dtype, device=self.device)
         return torch.where(allowed, zero, torch.finfo(self.config.dtype).min)
 
-    def _decode_rows(self, ctx: list[int], tables: list[list[int]]) -> DecodeRows | None:
+    def _decode_rows(
+        self, ctx: list[int], row_seq: list[int], tables: list[list[int]]
+    ) -> DecodeRows | None:
         if not ctx:
             return None
         width = -(-max(ctx) // self.block_size)
@@ -240,7 +299,7 @@ class ModelRunner:
         as_int = dict(dtype=torch.int32, device=self.device)
         return DecodeRows(
             block_tables=torch.tensor(padded, **as_int),
-            row_seq=torch.arange(len(ctx), **as_int),
+            row_seq=torch.tensor(row_seq, **as_int),
             row_ctx=torch.tensor(ctx, **as_int),
         )
 

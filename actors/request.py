@@ -68,6 +68,10 @@ class Sequence:
     # Seconds from arrival until its grammar was attached, and until its first token.
     constraint_time: float | None = None
     first_token_time: float | None = None
+    # Speculation: this step's proposed tokens (set before scheduling, verified in the step),
+    # and the proposer's own per-sequence state.
+    draft_token_ids: list[int] = field(default_factory=list)
+    proposer_state: Any = None
 
     @property
     def timeline(self) -> dict[str, float | None]:

@@ -19,13 +19,17 @@ from actors.request import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
+    # Positions this step computes: the sequence's own tokens, then `draft`.
     num_new_tokens: int
+    # Proposed tokens verified after the sequence's last token (speculation; else empty).
+    draft: list[int] = field(default_factory=list)
     # The step computes up to the last token, so its logits give the next one. Fixed at
     # scheduling time: computed-token counts move on when the step is done.
     will_sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.will_sample = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        own = self.num_new_tokens - len(self.draft)
+        self.will_sample = self.seq.num_computed_tokens + own == self.seq.num_tokens
 
 
 @dataclass
@@ -116,6 +120,10 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            # A draft takes what the budget and free blocks leave; it never preempts anyone.
+            draft = seq.draft_token_ids[: budget - num_new] if num_new == 1 else []
+            if draft and not self.block_manager.allocate(seq, num_new + len(draft)):
+                draft = []
             while not self.block_manager.allocate(seq, num_new):
                 victim = self._pick_victim(exclude=scheduled_ids)
                 self._preempt(victim)
@@ -123,7 +131,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                num_new += len(draft)
+                out.scheduled.append(ScheduledSeq(seq, num_new, draft))
                 scheduled_ids.add(seq.seq_id)
                 budget -= num_new
                 i += 1
@@ -196,10 +205,24 @@ class Scheduler:
             bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and publish newly full blocks to the prefix cache."""
+        """Advance computed-token counts and publish newly full blocks to the prefix cache.
+        A verified draft's positions count only once accepted (`commit_draft_token`)."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
             self.block_manager.cache_full_blocks(item.seq)
+
+    def commit_draft_token(self, seq: Sequence) -> None:
+        """One more accepted draft token counts as computed (its KV was written by the
+        verifying step); call it once that token is in `seq.token_ids`."""
+        seq.num_computed_tokens += 1
+        self.block_manager.cache_full_blocks(seq)
+
+    def drop_rejected(self, seq: Sequence) -> None:
+        """After a verifying step: the blocks taken only for rejected positions go back, so
+        the block table and ref counts are as if those positions were never written."""
+        if seq.is_finished:
+            return
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
 
     def stats(self) -> dict[str, int]:
         return {

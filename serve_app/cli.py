@@ -147,11 +147,29 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--address", metavar="ADDR", help="join a running Ray cluster (auto, ray://..., HOST:PORT)"
     )
     parser.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        type=_json_object,
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+    parser.add_argument(
         "--strict-structured-output",
         action="store_true",
         help="refuse to start when structured output cannot be enforced for this tokenizer",
     )
     parser.set_defaults(handler=cmd_serve)
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def serve_config_from_args(args: argparse.Namespace):
@@ -179,6 +197,8 @@ def serve_config_from_args(args: argparse.Namespace):
         engine["tensor_parallel_size"] = args.tp
     if args.replicas is not None:
         engine["num_replicas"] = args.replicas
+    if args.speculative_config is not None:
+        engine["speculative_config"] = args.speculative_config
     data["engine"] = engine
     if args.strict_structured_output:
         data.setdefault("grammar", {})["strict_structured_output"] = True

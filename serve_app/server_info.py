@@ -137,6 +137,7 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "max_num_seqs": config.engine.max_num_seqs,
             "block_size": config.engine.block_size,
             "prefix_caching": config.engine.enable_prefix_caching,
+            "speculative_config": config.engine.speculative_config,
         },
         "prefix_cache": prefix_cache_info(
             config.engine.enable_prefix_caching, config.engine.shared_prefix_tenants

@@ -27,6 +27,11 @@ class Executor(abc.ABC):
     def init_kv_cache(self, num_blocks: int) -> None: ...
 
     @abc.abstractmethod
+    def register_vocab_mask_buffer(self, num_rows: int) -> tuple[int, ...]:
+        """Every rank allocates its grammar-mask buffer (see actors/mask_buffer.py) and all
+        must agree on its shape, which this returns; disagreement raises (no start)."""
+
+    @abc.abstractmethod
     def execute(self, step: StepInput, masks: Future[GrammarMasks] | None = None) -> StepOutput: ...
 
     @abc.abstractmethod

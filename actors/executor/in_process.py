@@ -24,6 +24,9 @@ class InProcessExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
+    def register_vocab_mask_buffer(self, num_rows: int) -> tuple[int, ...]:
+        return self.worker.register_vocab_mask_buffer(num_rows)
+
     def execute(self, step: StepInput, masks: Future[GrammarMasks] | None = None) -> StepOutput:
         try:
             try:

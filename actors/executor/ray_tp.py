@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.config import CacheConfig, ModelConfig, ParallelConfig
 from actors.executor.base import Executor, ExecutorError, wait_for_masks
 from actors.executor.worker import RayWorkerShell
+from actors.mask_buffer import check_ranks_agree
 from actors.messages import GrammarMasks, StepInput, StepOutput
 from actors.placement_failure import executor_group_name, placement_failure_message
 
@@ -160,6 +161,11 @@ class RayExecutor(Executor):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._all(lambda _, w: w.init_kv_cache.remote(num_blocks))
+
+    def register_vocab_mask_buffer(self, num_rows: int) -> tuple[int, ...]:
+        shapes = self._all(lambda _, w: w.register_vocab_mask_buffer.remote(num_rows))
+        check_ranks_agree(shapes)
+        return shapes[0]
 
     def execute(self, step: StepInput, masks: Future[GrammarMasks] | None = None) -> StepOutput:
         """One call per rank; with grammar masks, two: the forward goes out first, the masks

@@ -51,6 +51,9 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
 
+    def register_vocab_mask_buffer(self, num_rows: int) -> tuple[int, ...]:
+        return self.runner.register_vocab_mask_buffer(num_rows)
+
     def execute(self, step: StepInput) -> StepOutput | None:
         return self.runner.execute(step)
 
@@ -121,6 +124,9 @@ class RayWorkerShell:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._w.init_kv_cache(num_blocks)
+
+    def register_vocab_mask_buffer(self, num_rows: int) -> tuple[int, ...]:
+        return self._w.register_vocab_mask_buffer(num_rows)
 
     def execute(self, step: StepInput) -> StepOutput | None:
         return self._w.execute(step)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.access.keys import DEFAULT_TENANT, KeysFile, load_keys_file
 from serve_app.access.prefix_scope import check_shared_tenants
@@ -55,6 +55,16 @@ class EngineOptions(BaseModel):
     # wait for a first token (past it: 503 deadline_unmeetable). None: unbounded.
     default_timeout_s: float | None = Field(600.0, gt=0)
     max_queue_s: float | None = Field(60.0, gt=0)
+    # Speculative decoding, vLLM's names (docs/speculative-decoding.md); None: off.
+    speculative_config: dict[str, Any] | None = None
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _check_speculative(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from actors.spec_decode.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.from_dict(value)
+        return spec.as_dict() if spec else None
 
 
 class GrammarOptions(BaseModel):

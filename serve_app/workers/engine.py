@@ -65,6 +65,7 @@ class EngineService:
                 SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens),
                 seed=e.seed,
                 deadline_config=DeadlineConfig(e.default_timeout_s, e.max_queue_s),
+                speculative_config=e.speculative_config,
             )
             core.on_queue_time = lambda seconds: record_latency("queue", seconds, "engine")
             return core

@@ -1,0 +1,15 @@
+"""Speculative decoding: proposers behind one seam, verification of `1 + k` positions in one
+forward, and acceptance that commits only what the target model itself would have produced.
+
+`SpeculativeConfig` names the method (vLLM's spelling); `make_proposer` builds it. The engine
+core asks the proposer for each eligible decode sequence's draft before scheduling, the
+scheduler gives the sequence `1 + len(draft)` positions of the step, and the runner returns the
+tokens the verification commits (`accept_greedy`).
+"""
+
+from actors.spec_decode.config import SpeculativeConfig
+from actors.spec_decode.ngram import NgramProposer
+from actors.spec_decode.proposer import Proposer, make_proposer
+from actors.spec_decode.verify import accept_greedy
+
+__all__ = ["NgramProposer", "Proposer", "SpeculativeConfig", "accept_greedy", "make_proposer"]

@@ -1,0 +1,64 @@
+"""The speculation config, with vLLM's names: `{"method": ..., "num_speculative_tokens": k}`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+# Named by the issue tracker's plan, built in a later step: refused with a message that says so.
+PLANNED_METHODS = ("draft_model", "self_draft")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    # Proposed tokens per sequence and step (k): each verifying sequence takes 1 + k positions.
+    num_speculative_tokens: int = 4
+    # Prompt lookup: the longest suffix of the sequence (at most `prompt_lookup_max` tokens, at
+    # least `prompt_lookup_min`) that occurred earlier proposes the tokens that followed it.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method in PLANNED_METHODS:
+            raise ValueError(
+                f"speculative_config.method: {self.method!r} is not available in this build; "
+                f"use one of {', '.join(METHODS)}"
+            )
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config.method: {self.method!r} is not one of {', '.join(METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not (isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens: {k!r} must be an integer in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({lo!r}) and prompt_lookup_max ({hi!r}) "
+                "must be integers with 1 <= min <= max"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """None stays None (no speculation); unknown keys are refused by name."""
+        if raw is None or isinstance(raw, SpeculativeConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config: expected an object, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return cls(**raw)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

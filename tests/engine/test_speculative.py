@@ -1,0 +1,266 @@
+"""Speculative decoding (prompt lookup, greedy verification): what a user sees is exactly what
+ordinary decode gives — same tokens, same logprobs, same grammar — and no KV block outlives
+its request or keeps a rejected position."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from actors import LLM, SamplingParams
+from actors.grammar_state import GrammarConstraint
+from actors.mask_buffer import VocabMaskBuffer, check_ranks_agree
+from actors.spec_decode import NgramProposer, SpeculativeConfig, accept_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+# Repetitive prompts, so the random tiny model's output gets drafts and some are accepted.
+PROMPTS = [
+    "a b c d a b c d a b c d a b",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "x = [1, 2, 3]; y = [1, 2, 3]; z = [1, 2,",
+    "one two three one two three one",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dirs) -> str:
+    return str(model_dirs("llama"))
+
+
+def generate(tiny, prompts, params, spec, **kw):
+    with LLM(model=tiny, speculative_config=spec, **kw) as llm:
+        results = llm.generate(prompts, params)
+        stats = llm.engine.stats()
+        assert stats["kv_blocks_used"] == 0, stats
+    return results, stats
+
+
+def tokens(results):
+    return [[o.token_ids for o in r.outputs] for r in results]
+
+
+def test_greedy_outputs_are_identical_with_speculation_on_and_off(tiny):
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    off, _ = generate(tiny, PROMPTS, params, None)
+    on, stats = generate(tiny, PROMPTS, params, NGRAM)
+    assert tokens(on) == tokens(off)
+    assert stats["spec_proposed_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+
+
+def test_identical_under_chunked_prefill_preemption_and_n(tiny):
+    # A few blocks and a small token budget: prompts prefill in chunks beside verifying decodes,
+    # and sequences are preempted and recomputed.
+    params = SamplingParams(max_tokens=40, temperature=0.0, n=2)
+    kw = dict(num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
+    off, off_stats = generate(tiny, PROMPTS, params, None, **kw)
+    on, stats = generate(tiny, PROMPTS, params, NGRAM, **kw)
+    assert tokens(on) == tokens(off)
+    assert stats["num_preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
+
+
+def test_logprobs_stops_and_max_tokens_see_only_committed_tokens(tiny):
+    params = SamplingParams(max_tokens=23, temperature=0.0, logprobs=2, min_tokens=3)
+    off, _ = generate(tiny, PROMPTS, params, None)
+    on, stats = generate(tiny, PROMPTS, params, NGRAM)
+    assert stats["spec_accepted_tokens"] > 0
+    for a, b in zip(on, off, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert x.token_ids == y.token_ids and len(x.token_ids) == 23  # cut inside a run
+        assert [lp.rank for lp in x.logprobs] == [lp.rank for lp in y.logprobs]
+        for p, q in zip(x.logprobs, y.logprobs, strict=True):
+            assert p.logprob == pytest.approx(q.logprob, abs=1e-4)
+    # A stop string that lands inside an accepted run cuts the text there.
+    stop_text = off[0].outputs[0].text[5:9]
+    params = SamplingParams(max_tokens=40, temperature=0.0, stop=[stop_text])
+    off, _ = generate(tiny, PROMPTS[:1], params, None)
+    on, _ = generate(tiny, PROMPTS[:1], params, NGRAM)
+    assert on[0].outputs[0].text == off[0].outputs[0].text
+    assert on[0].outputs[0].finish_reason == off[0].outputs[0].finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def grammar(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=tokenizer.vocab_size)
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"enum": ["x", "y"]}},
+            "required": ["a", "b"],
+        }
+    )
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(schema, any_whitespace=False)
+    return tokenizer, compiled
+
+
+def run_constrained(tiny, grammar, spec, proposer=None):
+    tokenizer, compiled = grammar
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    with LLM(model=tiny, speculative_config=spec) as llm:
+        engine = llm.engine
+        if proposer is not None:
+            engine.proposer = proposer
+        constraints = {}
+        for i, prompt in enumerate(PROMPTS):
+            c = GrammarConstraint(compiled)
+            constraints[f"r{i}"] = c
+            engine.add_request(f"r{i}", tokenizer.encode(prompt), params, constraints=[c])
+        out = {f"r{i}": [] for i in range(len(PROMPTS))}
+        while engine.has_unfinished():
+            for o in engine.step():
+                for d in o.deltas:
+                    out[o.request_id].extend(d.token_ids)
+        assert engine.stats()["kv_blocks_used"] == 0
+        rejected = sum(c.num_rejected for c in constraints.values())
+        return out, engine.stats(), rejected
+
+
+def replays(compiled, token_ids) -> bool:
+    matcher = xgr.GrammarMatcher(compiled)
+    return all(matcher.accept_token(t) for t in token_ids)
+
+
+def test_constrained_outputs_identical_and_every_output_replays(tiny, grammar):
+    off, _, _ = run_constrained(tiny, grammar, None)
+    on, stats, rejected = run_constrained(tiny, grammar, NGRAM)
+    assert on == off
+    assert stats["spec_proposed_tokens"] > 0 and rejected == 0
+    for ids in on.values():
+        assert replays(grammar[1], ids)
+
+
+class IllegalProposer:
+    """A test double: proposes the committed tokens' likely continuation with an illegal token
+    (one the grammar never allows: a raw newline inside compact JSON) at position 2."""
+
+    name = "illegal"
+
+    def __init__(self, bad: int):
+        self.bad = bad
+        self.inner = NgramProposer(1, 3)
+
+    def propose(self, seq, k):
+        draft = (self.inner.propose(seq, k) + [seq.token_ids[-1]] * k)[:k]
+        if len(draft) > 2:
+            draft[2] = self.bad
+        return draft
+
+
+def test_a_proposer_of_illegal_tokens_never_gets_one_committed(tiny, grammar):
+    tokenizer, compiled = grammar
+    bad = tokenizer.convert_tokens_to_ids(tokenizer.tokenize("\n"))[0]
+    off, _, _ = run_constrained(tiny, grammar, None)
+    on, stats, rejected = run_constrained(tiny, grammar, NGRAM, IllegalProposer(bad))
+    assert on == off and rejected == 0
+    assert stats["spec_proposed_tokens"] > 0
+    for ids in on.values():
+        assert bad not in ids and replays(compiled, ids)
+
+
+def test_prefix_cache_reuse_is_unaffected_by_rolled_back_tokens(tiny):
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    with LLM(model=tiny, speculative_config=NGRAM, block_size=4) as llm:
+        first = llm.generate(PROMPTS[:1], params)[0]
+        # The prompt plus the output: its cached blocks hold only committed tokens' KV.
+        again = llm.generate([first.prompt_token_ids + first.outputs[0].token_ids[:-1]], params)
+        fresh = None
+    with LLM(model=tiny, block_size=4, enable_prefix_caching=False) as llm:
+        fresh = llm.generate([first.prompt_token_ids + first.outputs[0].token_ids[:-1]], params)
+    assert again[0].num_cached_tokens > len(first.prompt_token_ids)
+    assert again[0].outputs[0].token_ids == fresh[0].outputs[0].token_ids
+
+
+def test_acceptance_and_lookup_units():
+    assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
+    assert accept_greedy([5, 6], [5, 6, 8]) == [5, 6, 8]
+    assert accept_greedy([5], [4, 0]) == [4]
+
+    class Seq:
+        token_ids = [1, 2, 3, 9, 1, 2, 3, 7, 1, 2]
+        proposer_state = None
+
+    seq = Seq()
+    # The latest earlier occurrence of the longest matching suffix ("1 2" -> then "3 7").
+    assert NgramProposer(1, 3).propose(seq, 2) == [3, 7]
+    seq.token_ids.append(3)
+    assert NgramProposer(1, 3).propose(seq, 3) == [7, 1, 2]
+    assert (
+        NgramProposer(2, 3).propose(
+            type("S", (), {"token_ids": [4, 5], "proposer_state": None})(), 3
+        )
+        == []
+    )
+
+
+def test_speculative_config_is_checked():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown key"):
+        SpeculativeConfig.from_dict({"method": "ngram", "k": 3})
+    with pytest.raises(ValueError, match="not available"):
+        SpeculativeConfig.from_dict({"method": "draft_model"})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig.from_dict({"prompt_lookup_min": 4, "prompt_lookup_max": 2})
+
+
+def test_mask_buffer_is_registered_once_and_validated():
+    buf = VocabMaskBuffer(100, "cpu")
+    assert buf.register(8) == (8, 4)
+    assert buf.register(8) == (8, 4)  # the same registration is fine
+    with pytest.raises(ValueError, match=r"\(12, 4\).*\(8, 4\)"):
+        buf.register(12)
+    import torch
+
+    with pytest.raises(ValueError, match="int64"):
+        buf.register(8, dtype=torch.int64)
+    tensor = buf.tensor
+    with pytest.raises(ValueError, match="do not fit"):
+        buf.load(torch.zeros(9, 4, dtype=torch.int32))
+    masks = torch.zeros(3, 4, dtype=torch.int32)
+    assert buf.load(masks).data_ptr() == tensor.data_ptr() and buf.tensor is tensor
+    assert not bool(tensor[:3].any())
+    check_ranks_agree([(8, 4), (8, 4)])
+    with pytest.raises(
+        ValueError, match=r"rank 1 registered \(8, 5\) but rank 0 registered \(8, 4\)"
+    ):
+        check_ranks_agree([(8, 4), (8, 5)])
+
+
+def test_engine_registers_rows_for_every_verified_position(tiny):
+    with LLM(model=tiny, speculative_config=NGRAM, max_num_seqs=8) as llm:
+        runner = llm.engine.executor.worker.runner
+        assert tuple(runner.mask_buffer.tensor.shape)[0] == 8 * 5
+        assert llm.engine.masks.buffer.shape[0] == 8 * 5
+        with pytest.raises(ValueError, match="re-registered"):
+            runner.register_vocab_mask_buffer(8)
+
+
+def test_the_server_takes_the_same_dict_from_config_and_command_line(tiny):
+    from pydantic import ValidationError
+
+    from serve_app.cli import build_parser, serve_config_from_args
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            tiny,
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3}',
+        ]
+    )
+    config = serve_config_from_args(args)
+    assert config.engine.speculative_config == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    }
+    args = build_parser().parse_args(
+        ["serve", "--model", tiny, "--speculative-config", '{"method": "ngram", "k": 3}']
+    )
+    with pytest.raises(ValidationError, match="unknown key"):
+        serve_config_from_args(args)
