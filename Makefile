@@ -73,6 +73,7 @@ bench: $(STAMP) kernels demo-model
 	$(PY) benchmarks/serving.py --out $(R)/serving.json
 	$(PY) benchmarks/serving.py --model bench --out $(R)/serving_bench.json
 	$(PY) benchmarks/replicas.py --counts 1,2 --out $(R)/replicas.json
+	$(PY) benchmarks/speculative.py --out $(R)/speculative.json
 	# The peer that counts: vLLM's CPU build (its own venv under ~/.cache/serve-app/peers/,
 	# installed on first use), one compute thread each, fp32 and bf16; transformers beside.
 	$(PY) benchmarks/peer.py --out $(R)/peer.json

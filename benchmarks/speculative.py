@@ -6,17 +6,22 @@ quote spans back, edit a code snippet (the output repeats its prompt: prompt loo
 alone (batch 1) after one warm-up pass; the figures are per workload, summed over its prompts.
 
     python benchmarks/speculative.py [--model smollm2-135m-instruct] [--k 4] [--out FILE]
+    python benchmarks/speculative.py --replot FILE.json   # the PNG beside a saved JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, resolve_model, run_header, write_json
+sys.path.insert(0, os.path.dirname(__file__))
+from common import DEFAULT_MODEL, resolve_model, run_header, write_json  # noqa: E402
 
 RECORD = {
     "name": "Ada Lovelace",
@@ -77,6 +82,29 @@ def run(model_path: str, prompts: list[list[int]], spec: dict | None, max_tokens
     }
 
 
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["workloads"])
+    off = [result["workloads"][n]["off"]["tokens_per_s"] for n in names]
+    on = [result["workloads"][n]["ngram"]["tokens_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], off, 0.4, label="speculation off")
+    ax.bar([x + 0.2 for x in xs], on, 0.4, label="ngram")
+    for x, n in zip(xs, names, strict=True):
+        ax.annotate(f"{result['workloads'][n]['speedup']:.2f}x", (x + 0.2, on[x]), ha="center")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("output tokens/s (batch 1, greedy)")
+    ax.set_title(f"speculative decoding, {result['checkpoint']} ({result['threads']} thread)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -84,7 +112,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out")
+    parser.add_argument("--replot", metavar="JSON", help="only draw the PNG of a saved run")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), args.replot.removesuffix(".json") + ".png")
+        return
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
     from transformers import AutoTokenizer
@@ -114,6 +146,8 @@ def main() -> None:
             "identical_outputs": on["outputs"] == off["outputs"],
         }
     write_json(result, args.out)
+    if args.out:
+        plot(result, args.out.removesuffix(".json") + ".png")
 
 
 if __name__ == "__main__":
