@@ -31,7 +31,7 @@ from actors.request import FinishReason, Sequence
 from actors.sampler import NO_TOKEN
 from actors.sampling_params import SamplingParams
 from actors.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from actors.spec_decode import Proposer, SpeculativeConfig, make_proposer
+from actors.spec_decode import Backoff, Proposer, SpeculativeConfig, make_proposer
 from actors.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,8 @@ class EngineCore:
         self.cost = CostModel()
         # Called with each sequence's queue time (arrival to first scheduled step).
         self.on_queue_time: Callable[[float], None] | None = None
+        # (proposer, proposed, accepted) per verified draft: the server's speculation metrics.
+        self.on_draft_verified: Callable[[str, int, int], None] | None = None
         self.deadlines = DeadlineTracker()
         spec = self.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
@@ -299,18 +301,23 @@ class EngineCore:
         """A draft for each running sequence that may speculate this step (see
         `_speculation_room`); the scheduler trims it to the step's budget and free blocks."""
         assert self.proposer is not None
+        rate = self.speculative_config.min_acceptance_rate
         for seq in self.scheduler.running:
             room = self._speculation_room(seq)
+            if room > 0 and rate > 0:
+                if seq.spec_backoff is None:
+                    seq.spec_backoff = Backoff(rate)
+                if not seq.spec_backoff.may_propose():
+                    room = 0
             seq.draft_token_ids = self.proposer.propose(seq, room) if room > 0 else []
 
     def _speculation_room(self, seq: Sequence) -> int:
-        """How many tokens `seq` may have proposed now: 0 unless it is decoding greedily with
-        nothing else to compute, its grammar (if any) is still open, and committing the whole
-        draft plus the bonus token stays within max_tokens and max_model_len."""
+        """How many tokens `seq` may have proposed now: 0 unless it is decoding with nothing
+        else to compute, its grammar (if any) is still open, and committing the whole draft
+        plus the bonus token stays within max_tokens and max_model_len."""
         p = seq.params
         if (
-            not p.is_greedy
-            or seq.num_uncomputed_tokens != 1
+            seq.num_uncomputed_tokens != 1
             or seq.awaiting_constraint
             or seq.wants_prompt_logprobs
             or (seq.constraint is not None and seq.constraint.is_terminated())
@@ -422,6 +429,10 @@ class EngineCore:
         counts["spec_proposed_tokens"] += len(item.draft)
         # All but the last committed token are accepted draft tokens; the last is the target's.
         counts["spec_accepted_tokens"] += len(more)
+        if seq.spec_backoff is not None:
+            seq.spec_backoff.record(len(item.draft), len(more))
+        if self.on_draft_verified is not None:
+            self.on_draft_verified(self.proposer.name, len(item.draft), len(more))
         for i, token in enumerate(more):
             if seq.is_finished:
                 break

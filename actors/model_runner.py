@@ -32,7 +32,7 @@ from actors.platform import (
 )
 from actors.prompt_logprobs import compute_prompt_logprobs
 from actors.sampler import NO_TOKEN, Sampler, SeqSamplingState
-from actors.spec_decode.verify import accept_greedy
+from actors.spec_decode.verify import accept_draft
 
 # A decode bucket closes when the next (shorter) context would pad it by more than this.
 _BUCKET_MIN_FILL = 0.75
@@ -137,8 +137,9 @@ class ModelRunner:
         for seq_id in step.finished_seq_ids:
             self.states.pop(seq_id, None)
         for new in step.new_seqs:
-            gen = None if new.seed is None else torch.Generator().manual_seed(new.seed)
-            self.states[new.seq_id] = SeqSamplingState(new.params, new.prompt_token_ids, [], gen)
+            self.states[new.seq_id] = SeqSamplingState(
+                new.params, new.prompt_token_ids, [], new.seed
+            )
         # Kept gathers are valid only after a step that completed.
         previous, self._gathered = self._gathered, []
         self._pending = _Pending(step)
@@ -178,7 +179,9 @@ class ModelRunner:
             draft = item.token_ids[-item.num_draft :]
             for j in range(item.num_draft + 1):
                 seen = state.output_token_ids + draft[:j]
-                states.append(SeqSamplingState(state.params, state.prompt_token_ids, seen))
+                states.append(
+                    SeqSamplingState(state.params, state.prompt_token_ids, seen, state.seed)
+                )
         bitmask, rows = None, None
         if masks is not None:
             bitmask, rows = self.mask_buffer.load(masks.bitmask), masks.rows
@@ -194,7 +197,7 @@ class ModelRunner:
             width = 1 + item.num_draft
             kept = tokens[row : row + width]
             if item.num_draft:
-                kept = accept_greedy(item.token_ids[-item.num_draft :], kept)
+                kept = accept_draft(item.token_ids[-item.num_draft :], kept)
                 real = self.states[item.seq_id].output_token_ids
                 real.extend(t for t in kept if t != NO_TOKEN)
             out.sampled_token_ids.append(kept[0])

@@ -72,6 +72,7 @@ class Sequence:
     # and the proposer's own per-sequence state.
     draft_token_ids: list[int] = field(default_factory=list)
     proposer_state: Any = None
+    spec_backoff: Any = None  # spec_decode.Backoff, made at the sequence's first proposal
 
     @property
     def timeline(self) -> dict[str, float | None]:

@@ -1,8 +1,10 @@
 """Batched sampling: penalties, masks, temperature, top-k/top-p/min-p, seeded draws, logprobs.
 
 Draws use the exponential race (argmax p / E, E ~ Exp(1)), which samples exactly from p and
-lets a seeded sequence take its noise from its own generator: the same seed gives the same
-tokens whatever else shares the batch.
+lets a seeded sequence take its noise from its own stream: the noise of output position t comes
+from a generator seeded by (seed, t), so the same seed gives the same tokens whatever else shares
+the batch, however often the sequence was preempted, and whether or not a verified draft covered
+position t (speculation samples each position with the noise ordinary decode would have used).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class SeqSamplingState:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    seed: int | None = None  # the request's; None draws from the sampler's shared generator
 
 
 class Sampler:
@@ -135,10 +137,23 @@ class Sampler:
         probs = torch.softmax(scaled, dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, s in enumerate(states):
-            if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
+            if s.seed is not None:
+                position = position_generator(s.seed, len(s.output_token_ids))
+                noise[i].exponential_(generator=position)
         drawn = (probs / noise).masked_fill_(probs == 0, float("-inf"))
         return torch.where(greedy.unsqueeze(1), logits, drawn)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator of output position `position` of a request seeded `seed`: splitmix64 of
+    the pair, so neighbouring seeds and positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return torch.Generator().manual_seed((z ^ (z >> 31)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
 def _all_masked(scores: torch.Tensor, rows: list[int]) -> list[int]:

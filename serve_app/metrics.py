@@ -82,3 +82,27 @@ def record_engine_gauges(replica: str, stats: dict) -> None:
             f"Engine replica {key}.",
             tag_keys=("replica",),
         ).set(float(stats.get(key, 0)), tags={"replica": replica})
+
+
+# Ray wants positive boundaries: the half-way points bucket exact counts (0 in the first).
+_ACCEPTED_LENGTH_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 12.5, 16.5]
+
+
+def record_speculation(proposer: str, proposed: int, accepted: int) -> None:
+    """One verified draft: its proposed and accepted tokens, and the accepted run's length."""
+    tags = {"proposer": proposer}
+    for kind, value in (("proposed", proposed), ("accepted", accepted)):
+        if value:
+            _get(
+                "Counter",
+                f"serve_app_spec_{kind}_tokens_total",
+                f"Speculative decoding: draft tokens {kind}, per proposer.",
+                tag_keys=("proposer",),
+            ).inc(value, tags=tags)
+    _get(
+        "Histogram",
+        "serve_app_spec_acceptance_length",
+        "Speculative decoding: accepted draft tokens per verified draft, per proposer.",
+        boundaries=_ACCEPTED_LENGTH_BUCKETS,
+        tag_keys=("proposer",),
+    ).observe(accepted, tags=tags)

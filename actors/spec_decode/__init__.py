@@ -4,12 +4,20 @@ forward, and acceptance that commits only what the target model itself would hav
 `SpeculativeConfig` names the method (vLLM's spelling); `make_proposer` builds it. The engine
 core asks the proposer for each eligible decode sequence's draft before scheduling, the
 scheduler gives the sequence `1 + len(draft)` positions of the step, and the runner returns the
-tokens the verification commits (`accept_greedy`).
+tokens the verification commits (`accept_draft`).
 """
 
+from actors.spec_decode.backoff import Backoff
 from actors.spec_decode.config import SpeculativeConfig
 from actors.spec_decode.ngram import NgramProposer
 from actors.spec_decode.proposer import Proposer, make_proposer
-from actors.spec_decode.verify import accept_greedy
+from actors.spec_decode.verify import accept_draft
 
-__all__ = ["NgramProposer", "Proposer", "SpeculativeConfig", "accept_greedy", "make_proposer"]
+__all__ = [
+    "Backoff",
+    "NgramProposer",
+    "Proposer",
+    "SpeculativeConfig",
+    "accept_draft",
+    "make_proposer",
+]

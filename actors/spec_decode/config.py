@@ -20,6 +20,9 @@ class SpeculativeConfig:
     # least `prompt_lookup_min`) that occurred earlier proposes the tokens that followed it.
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # Back-off: a sequence whose acceptance rate over its last 32 proposed tokens falls below
+    # this stops proposing for a while, then probes again (0 turns back-off off).
+    min_acceptance_rate: float = 0.3
 
     def __post_init__(self) -> None:
         if self.method in PLANNED_METHODS:
@@ -42,6 +45,12 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({lo!r}) and prompt_lookup_max ({hi!r}) "
                 "must be integers with 1 <= min <= max"
+            )
+
+        rate = self.min_acceptance_rate
+        if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1):
+            raise ValueError(
+                f"speculative_config.min_acceptance_rate: {rate!r} must be a number in [0, 1]"
             )
 
     @classmethod

@@ -19,7 +19,7 @@ from actors.tokenizer_file import load_backend_tokenizer
 from actors.torch_thread import favour_step_thread
 from serve_app.backpressure.stalled_streams import StallWatcher
 from serve_app.config.options import ServeConfig
-from serve_app.metrics import record_engine_gauges, record_latency
+from serve_app.metrics import record_engine_gauges, record_latency, record_speculation
 from serve_app.ops.stats import StatsReporter
 from serve_app.ops.timelines import TimelineRing
 from serve_app.workers.output_channel import (
@@ -68,6 +68,8 @@ class EngineService:
                 speculative_config=e.speculative_config,
             )
             core.on_queue_time = lambda seconds: record_latency("queue", seconds, "engine")
+            if core.proposer is not None:
+                core.on_draft_verified = record_speculation
             return core
 
         # Built lazily on the first grammar: engines that never see one never pay for it.

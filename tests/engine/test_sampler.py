@@ -33,8 +33,7 @@ def make_state(
     output_ids: tuple[int, ...] = (),
     **params: object,
 ) -> SeqSamplingState:
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return SeqSamplingState(SamplingParams(**params), list(prompt_ids), list(output_ids), generator)
+    return SeqSamplingState(SamplingParams(**params), list(prompt_ids), list(output_ids), seed)
 
 
 def sample_counts(row: torch.Tensor, num_draws: int, seeded: bool = False, **params) -> Counter:

@@ -1,10 +1,12 @@
-"""Speculative decoding (prompt lookup, greedy verification): what a user sees is exactly what
-ordinary decode gives — same tokens, same logprobs, same grammar — and no KV block outlives
-its request or keeps a rejected position."""
+"""Speculative decoding (prompt lookup): what a user sees is exactly what ordinary decode gives
+— same tokens, same logprobs, same grammar, the same distribution when sampling — and no KV
+block outlives its request or keeps a rejected position."""
 
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 
 import pytest
 import xgrammar as xgr
@@ -13,7 +15,7 @@ from transformers import AutoTokenizer
 from actors import LLM, SamplingParams
 from actors.grammar_state import GrammarConstraint
 from actors.mask_buffer import VocabMaskBuffer, check_ranks_agree
-from actors.spec_decode import NgramProposer, SpeculativeConfig, accept_greedy
+from actors.spec_decode import NgramProposer, SpeculativeConfig, accept_draft
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 # Repetitive prompts, so the random tiny model's output gets drafts and some are accepted.
@@ -79,6 +81,120 @@ def test_logprobs_stops_and_max_tokens_see_only_committed_tokens(tiny):
     on, _ = generate(tiny, PROMPTS[:1], params, NGRAM)
     assert on[0].outputs[0].text == off[0].outputs[0].text
     assert on[0].outputs[0].finish_reason == off[0].outputs[0].finish_reason == "stop"
+
+
+class OracleProposer:
+    """A test double: drafts the continuation a run without speculation produced (found by
+    the prompt and the output so far), with its last token wrong, so every draft has both
+    accepted and rejected positions."""
+
+    name = "oracle"
+
+    def __init__(self, results):
+        self.futures = [(r.prompt_token_ids, o.token_ids) for r in results for o in r.outputs]
+
+    def propose(self, seq, k):
+        done = seq.output_token_ids
+        for prompt, out in self.futures:
+            if prompt == seq.prompt_token_ids and out[: len(done)] == done:
+                draft = out[len(done) : len(done) + k]
+                return draft[:-1] + [(draft[-1] + 1) % 100] if len(draft) > 1 else []
+        return []
+
+
+def test_seeded_sampling_commits_what_it_would_without_speculation(tiny):
+    # Each position draws the noise ordinary decode would, so a seed gives the same tokens
+    # with speculation on and off, under penalties and filters, with n > 1 and preemption.
+    params = [
+        SamplingParams(
+            max_tokens=40, temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=i, n=2
+        )
+        for i in range(len(PROMPTS))
+    ]
+    with LLM(model=tiny) as llm:
+        off = llm.generate(PROMPTS, params)
+    kw = dict(num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
+    with LLM(model=tiny, speculative_config=NGRAM, **kw) as llm:
+        llm.engine.proposer = OracleProposer(off)
+        on = llm.generate(PROMPTS, params)
+        stats = llm.engine.stats()
+        assert stats["kv_blocks_used"] == 0
+    assert tokens(on) == tokens(off)
+    assert stats["spec_accepted_tokens"] > stats["spec_drafts"] > 0
+    assert stats["num_preemptions"] > 0
+
+
+class FixedProposer:
+    """A test double: proposes the same tokens for every sequence."""
+
+    name = "fixed"
+
+    def __init__(self, draft: list[int]):
+        self.draft = draft
+
+    def propose(self, seq, k):
+        return self.draft[:k]
+
+
+def biased_acceptance(draft, targets):
+    """A test double of a wrong acceptance rule: the first draft token always goes in."""
+    return draft[:1] + accept_draft(draft[1:], targets[1:])
+
+
+def sample_positions(tiny, num, spec=None, proposer=None, seed=0):
+    """Counters of the tokens at output positions 1..3 over `num` unseeded samples (the
+    engine's own generator is seeded, so a run is reproducible)."""
+    params = SamplingParams(max_tokens=4, temperature=0.4, ignore_eos=True)
+    with LLM(model=tiny, speculative_config=spec, max_num_seqs=256, seed=seed) as llm:
+        if proposer is not None:
+            llm.engine.proposer = proposer
+        results = []
+        for _ in range(num // 1000):  # a bounded waiting queue per call
+            results += llm.generate([PROMPTS[0]] * 1000, params)
+        accepted = llm.engine.stats()["spec_accepted_tokens"]
+        assert llm.engine.stats()["kv_blocks_used"] == 0
+    ids = [r.outputs[0].token_ids for r in results]
+    return [Counter(t[pos] for t in ids) for pos in (1, 2, 3)], accepted
+
+
+def chi_square_p_below_001(a: Counter, b: Counter) -> bool:
+    """Two-sample chi-square test of homogeneity: True when a and b differ at p < 0.01.
+    Tokens expected fewer than 5 times are pooled; the critical value is Wilson-Hilferty's."""
+    na, nb = sum(a.values()), sum(b.values())
+    pooled = a + b
+    common = [t for t, c in pooled.items() if c * min(na, nb) / (na + nb) >= 5]
+    cells = [(a[t], b[t]) for t in common]
+    cells.append((na - sum(x for x, _ in cells), nb - sum(y for _, y in cells)))
+    stat = 0.0
+    for x, y in cells:
+        total = x + y
+        for observed, n in ((x, na), (y, nb)):
+            expected = total * n / (na + nb)
+            if expected:
+                stat += (observed - expected) ** 2 / expected
+    df = len(cells) - 1
+    z = 2.3263  # the upper 1% point of the standard normal
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > critical
+
+
+def test_sampled_distribution_is_unchanged_by_speculation(tiny, monkeypatch):
+    num = 20_000
+    off, _ = sample_positions(tiny, num)
+    # Draft the likeliest tokens at positions 1 and 2, so both acceptance and rejection (with
+    # the residual draw) carry real mass.
+    draft = [off[0].most_common(1)[0][0], off[1].most_common(1)[0][0]]
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    on, accepted = sample_positions(tiny, num, spec, FixedProposer(draft), seed=1)
+    assert accepted > num // 10
+    for a, b in zip(on, off, strict=True):
+        assert not chi_square_p_below_001(a, b)
+    # The same test catches a rule that commits the draft's first token unconditionally.
+    import actors.model_runner
+
+    monkeypatch.setattr(actors.model_runner, "accept_draft", biased_acceptance)
+    biased, _ = sample_positions(tiny, num // 4, spec, FixedProposer(draft), seed=1)
+    assert chi_square_p_below_001(biased[0], off[0])
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +290,9 @@ def test_prefix_cache_reuse_is_unaffected_by_rolled_back_tokens(tiny):
 
 
 def test_acceptance_and_lookup_units():
-    assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
-    assert accept_greedy([5, 6], [5, 6, 8]) == [5, 6, 8]
-    assert accept_greedy([5], [4, 0]) == [4]
+    assert accept_draft([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
+    assert accept_draft([5, 6], [5, 6, 8]) == [5, 6, 8]
+    assert accept_draft([5], [4, 0]) == [4]
 
     class Seq:
         token_ids = [1, 2, 3, 9, 1, 2, 3, 7, 1, 2]
@@ -204,6 +320,8 @@ def test_speculative_config_is_checked():
         SpeculativeConfig.from_dict({"method": "draft_model"})
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig.from_dict({"prompt_lookup_min": 4, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="min_acceptance_rate"):
+        SpeculativeConfig.from_dict({"min_acceptance_rate": 1.5})
 
 
 def test_mask_buffer_is_registered_once_and_validated():
@@ -258,9 +376,83 @@ def test_the_server_takes_the_same_dict_from_config_and_command_line(tiny):
         "num_speculative_tokens": 3,
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 5,
+        "min_acceptance_rate": 0.3,
     }
     args = build_parser().parse_args(
         ["serve", "--model", tiny, "--speculative-config", '{"method": "ngram", "k": 3}']
     )
     with pytest.raises(ValidationError, match="unknown key"):
         serve_config_from_args(args)
+
+
+def test_back_off_pauses_a_failing_sequence_and_probes_again():
+    from actors.spec_decode import Backoff
+
+    b = Backoff(0.3)
+    b.record(4, 0)
+    assert b.may_propose()  # 4 tokens are not yet evidence
+    b.record(4, 1)  # 1 of 8 accepted: pause for 16 steps
+    assert [b.may_propose() for _ in range(17)] == [False] * 16 + [True]
+    b.record(8, 0)  # the probe fails: the pause doubles
+    assert sum(not b.may_propose() for _ in range(40)) == 32
+    b.record(8, 6)  # a passing window resets the pause
+    assert b.may_propose() and b.pause == 16
+
+
+def test_non_repetitive_traffic_stops_paying_for_drafts(tiny):
+    # Random prompts and a random model: drafts are almost never accepted, so with back-off
+    # each sequence proposes a little and then mostly probes; without it, nearly every step.
+    import random
+
+    rng = random.Random(0)
+    prompts = [" ".join(str(rng.randrange(1000)) for _ in range(30)) for _ in range(4)]
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    calls = []
+    base = {**NGRAM, "prompt_lookup_min": 1}
+    stats = {}
+    for rate in (0.0, 0.3):
+        with LLM(model=tiny, speculative_config={**base, "min_acceptance_rate": rate}) as llm:
+            llm.engine.on_draft_verified = lambda name, p, a: calls.append((name, p, a))
+            llm.generate(prompts, params)
+            stats[rate] = llm.engine.stats()
+    drafts_off, drafts_on = stats[0.0]["spec_drafts"], stats[0.3]["spec_drafts"]
+    assert drafts_on < drafts_off / 2, (drafts_on, drafts_off)
+    # The hook saw every verified draft, named by its proposer.
+    assert len(calls) == drafts_off + drafts_on
+    assert {c[0] for c in calls} == {"ngram"}
+    assert sum(c[1] for c in calls) == sum(s["spec_proposed_tokens"] for s in stats.values())
+
+
+def test_speculation_metrics_are_exported_per_proposer(ray_session):
+    import time
+
+    import httpx
+    import ray
+
+    @ray.remote
+    def verified_drafts() -> None:
+        from serve_app.metrics import record_speculation
+
+        for proposed, accepted in ((4, 4), (4, 0), (3, 2)):
+            record_speculation("ngram", proposed, accepted)
+
+    ray.get(verified_drafts.remote())
+    node = ray_session._private.worker.global_worker.node
+    url = f"http://127.0.0.1:{node.metrics_export_port}/metrics"
+    wanted = {
+        "serve_app_spec_proposed_tokens_total": 11.0,
+        "serve_app_spec_accepted_tokens_total": 6.0,
+        "serve_app_spec_acceptance_length_count": 3.0,
+    }
+    deadline = time.monotonic() + 60
+    while True:
+        seen = {}
+        lines = [x for x in httpx.get(url, timeout=10).text.splitlines() if "serve_app_spec" in x]
+        for line in lines:
+            name = line.split("{", 1)[0].removeprefix("ray_")
+            if name in wanted and 'proposer="ngram"' in line:
+                seen[name] = seen.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if seen == wanted:
+            break
+        assert time.monotonic() < deadline, f"exported {lines}, wanted {wanted}"
+        time.sleep(1)
