@@ -58,9 +58,14 @@ def test_each_outcome_row_on_the_openai_endpoints(serve_url, model_id, cause):
 def test_each_sample_has_its_own_matcher_and_replays_through_a_fresh_one(
     serve_url, model_id, model_path, service, engine_cache
 ):
+    # The integer is bounded so that every sample of the random model reaches the grammar's
+    # end well within max_tokens (an unbounded one can draw digits until the length cut).
     schema = {
         "type": "object",
-        "properties": {"w": {"enum": ["sun", "rain", "snow"]}, "t": {"type": "integer"}},
+        "properties": {
+            "w": {"enum": ["sun", "rain", "snow"]},
+            "t": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
         "required": ["w", "t"],
         "additionalProperties": False,
     }
