@@ -80,7 +80,11 @@ class EngineCore:
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.tokenizer = tokenizer
         self.executor = make_executor(
-            model_config, self.cache_config, parallel_config or ParallelConfig(), seed
+            model_config,
+            self.cache_config,
+            parallel_config or ParallelConfig(),
+            seed,
+            self.speculative_config,
         )
         try:
             num_blocks = self._init_kv_cache()
@@ -105,7 +109,7 @@ class EngineCore:
         self.deadlines = DeadlineTracker()
         spec = self.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
-        self.proposer: Proposer | None = make_proposer(spec) if spec else None
+        self.proposer: Proposer | None = make_proposer(spec, self.executor) if spec else None
         # Proposed and accepted draft tokens, and verifying steps' sequences, since start.
         self.spec_counts = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_drafts": 0}
         # One mask row per sampled position a step can have, registered once on every rank.
@@ -208,6 +212,8 @@ class EngineCore:
     def _veto_hopeless(self, num_prompt_tokens: int, timeout_s: float | None) -> None:
         """Refuse before prefill what the measured cost model says cannot make its deadline
         (the client's, or the server's bound on queue time)."""
+        if timeout_s is None and self.deadline_config.max_queue_s is None:
+            return  # nothing to check: skip summing the queue (O(queue) per request)
         ahead = sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
         ahead += sum(s.num_uncomputed_tokens - 1 for s in self.scheduler.running)
         veto_hopeless(self.cost, self.deadline_config, ahead, num_prompt_tokens, timeout_s)
@@ -279,7 +285,11 @@ class EngineCore:
         self._expire_deadlines()
         outputs, self._aborted_outputs = self._aborted_outputs, []
         if self.proposer is not None:
-            self._propose()
+            try:
+                self._propose()
+            except ExecutorError as exc:
+                logger.error("drafting failed; failing %d requests: %s", len(self.requests), exc)
+                return outputs + self.fail_all(str(exc))
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -302,14 +312,24 @@ class EngineCore:
         `_speculation_room`); the scheduler trims it to the step's budget and free blocks."""
         assert self.proposer is not None
         rate = self.speculative_config.min_acceptance_rate
+        asks = []
         for seq in self.scheduler.running:
+            seq.draft_token_ids = []
             room = self._speculation_room(seq)
             if room > 0 and rate > 0:
                 if seq.spec_backoff is None:
                     seq.spec_backoff = Backoff(rate)
                 if not seq.spec_backoff.may_propose():
                     room = 0
-            seq.draft_token_ids = self.proposer.propose(seq, room) if room > 0 else []
+            if room > 0:
+                asks.append((seq, room))
+        batch = getattr(self.proposer, "propose_batch", None)
+        if batch is not None:
+            drafts = batch(asks) if asks else []
+        else:
+            drafts = [self.proposer.propose(seq, room) for seq, room in asks]
+        for (seq, _), draft in zip(asks, drafts, strict=True):
+            seq.draft_token_ids = draft
 
     def _speculation_room(self, seq: Sequence) -> int:
         """How many tokens `seq` may have proposed now: 0 unless it is decoding with nothing

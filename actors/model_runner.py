@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from actors.config import CacheConfig, ModelConfig
 from actors.forward_context import (
@@ -31,8 +33,10 @@ from actors.platform import (
     persistent_decode_gather,
 )
 from actors.prompt_logprobs import compute_prompt_logprobs
-from actors.sampler import NO_TOKEN, Sampler, SeqSamplingState
-from actors.spec_decode.verify import accept_draft
+from actors.sampler import NO_TOKEN, Sampler, SeqSamplingState, token_logprobs
+from actors.spec_decode.config import SpeculativeConfig
+from actors.spec_decode.draft import Draft, DraftRequest, DraftRunner, stream_generator
+from actors.spec_decode.verify import accept_draft, accept_sampled
 
 # A decode bucket closes when the next (shorter) context would pad it by more than this.
 _BUCKET_MIN_FILL = 0.75
@@ -54,7 +58,13 @@ class _Pending:
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device, seed=0
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: torch.device,
+        seed=0,
+        speculative_config: SpeculativeConfig | None = None,
+        build: Callable[[TorchPagedAttention], nn.Module] | None = None,
     ):
         self.config = model_config
         self.cache_config = cache_config
@@ -72,7 +82,10 @@ class ModelRunner:
             )
         else:
             self.backend = TorchPagedAttention(heads, kv_heads, model_config.head_dim)
-        self.model = build_model(model_config, self.backend, device)
+        if build is None:
+            self.model = build_model(model_config, self.backend, device)
+        else:  # a model made of another's parts (the self-draft's)
+            self.model = build(self.backend)
         self.num_local_kv_heads = self.backend.num_kv_heads
         self.block_size = cache_config.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -88,6 +101,13 @@ class ModelRunner:
         self.gather_counts = {"buckets": 0, "kept": 0}
         # The grammar masks every sample reads (`register_vocab_mask_buffer`).
         self.mask_buffer = VocabMaskBuffer(model_config.vocab_size, device)
+        # A model proposer's draft runner, and (rank 0) each sequence's draft until verified.
+        self.draft: DraftRunner | None = None
+        if speculative_config is not None and speculative_config.uses_model:
+            self.draft = DraftRunner(
+                speculative_config, model_config, cache_config, device, self.model, seed
+            )
+        self.drafts: dict[str, Draft] = {}
 
     def register_vocab_mask_buffer(self, num_rows: int) -> tuple[int, ...]:
         """Allocate the step's grammar-mask buffer once (rows: every sampled position a step
@@ -106,7 +126,9 @@ class ModelRunner:
         if self.cache_config.num_blocks is not None:
             return self.cache_config.num_blocks
         budget = kv_cache_budget_bytes(self.cache_config.memory_budget_bytes, self.device)
-        return max(1, budget // self.bytes_per_block)
+        # A draft model keeps KV in the same block ids: a block costs both.
+        per_block = self.bytes_per_block + (self.draft.bytes_per_block if self.draft else 0)
+        return max(1, budget // per_block)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         c = self.config
@@ -124,6 +146,29 @@ class ModelRunner:
         self.kept_gather_budget = int(_KEPT_GATHER_SHARE * num_blocks * self.bytes_per_block)
         self._gathered = []
         self.backend.retain(set())
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_blocks)
+
+    # ---------------------------------------------------------------- speculation
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]] | None:
+        """The model proposer's drafts (every rank drafts alike; rank 0 returns them and
+        keeps each one's distribution for `sample`)."""
+        if self.draft is None:
+            raise RuntimeError("propose() on an engine without a model proposer")
+        drafts = self.draft.propose(requests, self.states)
+        if not self.is_driver:
+            return None
+        for r, d in zip(requests, drafts, strict=True):
+            self.drafts[r.seq_id] = d
+        return [d.token_ids for d in drafts]
+
+    @torch.inference_mode()
+    def last_logits(self, items: list[ScheduledItem]) -> torch.Tensor:
+        """The logits after each item's last token (a forward with no sampling)."""
+        input_ids, positions, meta, rows, _ = self._prepare(items)
+        with set_forward_context(meta):
+            hidden = self.model(input_ids, positions, self.kv_caches)
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
     # ---------------------------------------------------------------------- step
     def execute(self, step: StepInput, masks: GrammarMasks | None = None) -> StepOutput | None:
@@ -136,6 +181,9 @@ class ModelRunner:
         arrive in between: they fill while this runs)."""
         for seq_id in step.finished_seq_ids:
             self.states.pop(seq_id, None)
+            self.drafts.pop(seq_id, None)
+            if self.draft is not None:
+                self.draft.forget(seq_id)
         for new in step.new_seqs:
             self.states[new.seq_id] = SeqSamplingState(
                 new.params, new.prompt_token_ids, [], new.seed
@@ -185,6 +233,9 @@ class ModelRunner:
         bitmask, rows = None, None
         if masks is not None:
             bitmask, rows = self.mask_buffer.load(masks.bitmask), masks.rows
+        # Sampled requests' model drafts verify against the draft's distribution; their
+        # target distributions are taken before the sampler below writes into the logits.
+        against_q = self._target_distributions(sampled, states, pending.logits, bitmask, rows)
         # The logits are this step's own: the sampler may write into them.
         tokens, logprobs = self.sampler(pending.logits, states, bitmask, rows, writable=True)
         if len(states) == len(sampled):
@@ -196,19 +247,97 @@ class ModelRunner:
         for j, item in enumerate(sampled):
             width = 1 + item.num_draft
             kept = tokens[row : row + width]
+            kept_logprobs = logprobs[row : row + width] if logprobs is not None else None
             if item.num_draft:
-                kept = accept_draft(item.token_ids[-item.num_draft :], kept)
-                real = self.states[item.seq_id].output_token_ids
-                real.extend(t for t in kept if t != NO_TOKEN)
+                state = self.states[item.seq_id]
+                draft = item.token_ids[-item.num_draft :]
+                if j in against_q:
+                    kept, kept_logprobs = self._verify_sampled(
+                        state, draft, kept, kept_logprobs, *against_q[j]
+                    )
+                else:
+                    kept = accept_draft(draft, kept)
+                state.output_token_ids.extend(t for t in kept if t != NO_TOKEN)
             out.sampled_token_ids.append(kept[0])
             if len(kept) > 1:
                 out.more_token_ids[j] = kept[1:]
-            if logprobs is not None:
-                out.logprobs.append(logprobs[row])  # type: ignore[union-attr]
+            if kept_logprobs is not None:
+                out.logprobs.append(kept_logprobs[0])  # type: ignore[union-attr]
                 if len(kept) > 1:
-                    out.more_logprobs[j] = logprobs[row + 1 : row + len(kept)]
+                    out.more_logprobs[j] = kept_logprobs[1 : len(kept)]
             row += width
         return out
+
+    def _target_distributions(
+        self,
+        sampled: list[ScheduledItem],
+        states: list[SeqSamplingState],
+        logits: torch.Tensor,
+        bitmask: torch.Tensor | None,
+        mask_rows: list[int] | None,
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """For each sampled item verifying a model's draft of a sampled request: (the draft's
+        q rows, the target's p rows, the raw logprob rows or None) at its drafted positions."""
+        picked: list[tuple[int, Draft, int]] = []
+        row = 0
+        for j, item in enumerate(sampled):
+            if item.num_draft:
+                kept = self.drafts.pop(item.seq_id, None)
+                draft = item.token_ids[-item.num_draft :]
+                if kept is not None and kept.probs is not None:
+                    # The scheduler may have cut the draft, never changed it.
+                    assert kept.token_ids[: item.num_draft] == draft
+                    picked.append((j, kept, row))
+            row += 1 + item.num_draft
+        if not picked:
+            return {}
+        index = [r + t for j, _, r in picked for t in range(sampled[j].num_draft)]
+        sub_mask, sub_rows = None, None
+        if bitmask is not None and mask_rows:
+            masked = set(mask_rows)
+            sub_mask = bitmask[index]
+            sub_rows = [i for i, r in enumerate(index) if r in masked]
+        p, raw = self.sampler.distribution(
+            logits[index], [states[i] for i in index], sub_mask, sub_rows
+        )
+        out = {}
+        at = 0
+        for j, kept, _ in picked:
+            n = sampled[j].num_draft
+            out[j] = (kept.probs[:n], p[at : at + n], None if raw is None else raw[at : at + n])
+            at += n
+        return out
+
+    def _verify_sampled(
+        self,
+        state: SeqSamplingState,
+        draft: list[int],
+        race_tokens: list[int],
+        race_logprobs: list | None,
+        q: torch.Tensor,
+        p: torch.Tensor,
+        raw: torch.Tensor | None,
+    ) -> tuple[list[int], list | None]:
+        """`accept_sampled` at the sequence's next positions, with each committed token's
+        logprobs (from its own row; the bonus token's are the sampler's)."""
+        start = len(state.output_token_ids)
+
+        def generator_for(stream: int, i: int) -> torch.Generator:
+            if state.seed is None:
+                return self.sampler.generator
+            return stream_generator(state.seed, stream, start + i)
+
+        kept = accept_sampled(draft, q, p, race_tokens, generator_for)
+        if race_logprobs is None:
+            return kept, None
+        top = state.params.logprobs
+        lps = [
+            token_logprobs(raw[i], t, top) if raw is not None and t != NO_TOKEN else None
+            for i, t in enumerate(kept[: len(draft)])
+        ]
+        if len(kept) > len(draft):
+            lps.append(race_logprobs[len(draft)])
+        return kept, lps
 
     def _prepare(self, items: list[ScheduledItem], previous: list[tuple | None] | None = None):
         """Flatten the step: prefill chunks first, then decode rows (single tokens, and where

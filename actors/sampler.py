@@ -95,6 +95,26 @@ class Sampler:
                 s.output_token_ids.append(t)
         return token_list, logprobs
 
+    def distribution(
+        self,
+        logits: torch.Tensor,
+        states: list[SeqSamplingState],
+        bitmask: torch.Tensor | None = None,
+        bitmask_rows: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per (sampled, never greedy) row, the probabilities its token is drawn from — the
+        ones `__call__` races over: penalties, min-token bans, the grammar mask, temperature,
+        top-k/top-p/min-p — and the raw logprobs (before any of them) when a row reports
+        logprobs. `logits` is not written."""
+        logits = logits.to(device="cpu", dtype=torch.float32, copy=True)
+        want_logprobs = any(s.params.logprobs is not None for s in states)
+        raw = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        self._apply_penalties(logits, states)
+        self._ban_stops_before_min_tokens(logits, states)
+        if bitmask is not None and bitmask_rows:
+            _apply_mask(logits, bitmask, bitmask_rows)
+        return _filtered_probs(logits, states), raw
+
     def _apply_penalties(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> None:
         for i, s in enumerate(states):
             p = s.params
@@ -130,11 +150,7 @@ class Sampler:
         if all(s.params.is_greedy for s in states):
             return logits
         greedy = torch.tensor([s.params.is_greedy for s in states])
-        temps = torch.tensor([1.0 if s.params.is_greedy else s.params.temperature for s in states])
-        scaled = logits / temps.unsqueeze(1)
-        if any(s.params.needs_top_filter for s in states):
-            scaled = _top_filter(scaled, states)
-        probs = torch.softmax(scaled, dim=-1)
+        probs = _filtered_probs(logits, states)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, s in enumerate(states):
             if s.seed is not None:
@@ -142,6 +158,28 @@ class Sampler:
                 noise[i].exponential_(generator=position)
         drawn = (probs / noise).masked_fill_(probs == 0, float("-inf"))
         return torch.where(greedy.unsqueeze(1), logits, drawn)
+
+
+def _filtered_probs(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+    """Softmax of the logits at each row's temperature (1 for a greedy row), after its
+    top-k/top-p/min-p filter."""
+    temps = torch.tensor([1.0 if s.params.is_greedy else s.params.temperature for s in states])
+    scaled = logits / temps.unsqueeze(1)
+    if any(s.params.needs_top_filter for s in states):
+        scaled = _top_filter(scaled, states)
+    return torch.softmax(scaled, dim=-1)
+
+
+def race(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from `probs` (a row; zeros never win) by the exponential race."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).masked_fill_(probs == 0, float("-inf")).argmax())
+
+
+def token_logprobs(raw_row: torch.Tensor, token: int, k: int | None) -> TokenLogprobs | None:
+    """A committed token's logprobs (rank, top-k) from its row's raw logprobs; None when the
+    request asked for none."""
+    return None if k is None else _token_logprobs(raw_row, token, k)
 
 
 _MASK64 = (1 << 64) - 1

@@ -2,10 +2,13 @@
 
 Workloads (trained model, greedy): `copy` — rewrite a given JSON object with one field changed,
 quote spans back, edit a code snippet (the output repeats its prompt: prompt lookup pays);
-`chat` — open questions (little to look up: speculation must not cost). Each request runs
-alone (batch 1) after one warm-up pass; the figures are per workload, summed over its prompts.
+`chat` — open questions (little to look up: speculation must not cost); and the JSON rewrite
+under its record's JSON schema. Each at batch 1 (requests one at a time) and 16 (16 at once,
+cycling the workload's prompts), after one warm-up pass, per proposer (`ngram`, `self_draft`):
+tokens/s against speculation off, acceptance rate, mean tokens committed per verifying step.
 
-    python benchmarks/speculative.py [--model smollm2-135m-instruct] [--k 4] [--out FILE]
+    python benchmarks/speculative.py [--model smollm2-135m-instruct] [--k 4] [--draft-layers 8]
+        [--batches 1,16] [--out FILE]
     python benchmarks/speculative.py --replot FILE.json   # the PNG beside a saved JSON
 """
 
@@ -52,22 +55,68 @@ WORKLOADS = {
 }
 
 
-def run(model_path: str, prompts: list[list[int]], spec: dict | None, max_tokens: int) -> dict:
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "born": {"type": "integer"},
+        "city": {"type": "string"},
+        "fields": {"type": "array", "items": {"type": "string"}},
+        "notes": {"type": "string"},
+    },
+    "required": list(RECORD),
+    "additionalProperties": False,
+}
+
+
+def batch_prompts(prompts: list[list[int]], batch: int) -> list[list[int]]:
+    """`batch` requests cycling through the workload's prompts (at batch 1: each in turn)."""
+    return [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
+
+
+def run(
+    model_path: str,
+    prompts: list[list[int]],
+    spec: dict | None,
+    max_tokens: int,
+    batch: int,
+    grammar=None,
+) -> dict:
+    """The workload's requests `batch` at a time (each group runs to its end before the next
+    starts), after one warm-up pass; greedy."""
     from actors import LLM, SamplingParams
+    from actors.grammar_state import GrammarConstraint
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    requests = batch_prompts(prompts, batch)
+    groups = [requests[i : i + batch] for i in range(0, len(requests), batch)]
     with LLM(model=model_path, speculative_config=spec) as llm:
-        for prompt in prompts:
-            llm.generate([prompt], params)  # warm-up
-        before = dict(llm.engine.stats())
-        seconds, tokens, outputs = 0.0, 0, []
-        for prompt in prompts:
+        engine = llm.engine
+
+        def generate(group: list[list[int]]) -> list[list[int]]:
+            ids = []
+            for prompt in group:
+                request_id = f"bench-{engine.num_requests}"
+                ids.append(request_id)
+                constraints = None if grammar is None else [GrammarConstraint(grammar)]
+                engine.add_request(request_id, prompt, params, constraints=constraints)
+            out: dict[str, list[int]] = {r: [] for r in ids}
+            while engine.has_unfinished():
+                for o in engine.step():
+                    for d in o.deltas:
+                        out[o.request_id].extend(d.token_ids)
+            return [out[r] for r in ids]
+
+        for group in groups:
+            generate(group)  # warm-up
+        before = dict(engine.stats())
+        seconds, outputs = 0.0, []
+        for group in groups:
             started = time.perf_counter()
-            result = llm.generate([prompt], params)[0]
+            outputs += generate(group)
             seconds += time.perf_counter() - started
-            tokens += len(result.outputs[0].token_ids)
-            outputs.append(result.outputs[0].token_ids)
-        stats = llm.engine.stats()
+        stats = engine.stats()
+    tokens = sum(len(o) for o in outputs)
     proposed = stats["spec_proposed_tokens"] - before["spec_proposed_tokens"]
     accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     drafts = stats["spec_drafts"] - before["spec_drafts"]
@@ -78,6 +127,7 @@ def run(model_path: str, prompts: list[list[int]], spec: dict | None, max_tokens
         "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
         # Tokens each verifying step committed: its accepted draft tokens plus the target's own.
         "mean_accepted_length": round(1 + accepted / drafts, 2) if drafts else None,
+        "proposed_tokens": proposed,
         "outputs": outputs,
     }
 
@@ -88,17 +138,17 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(result["workloads"])
-    off = [result["workloads"][n]["off"]["tokens_per_s"] for n in names]
-    on = [result["workloads"][n]["ngram"]["tokens_per_s"] for n in names]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], off, 0.4, label="speculation off")
-    ax.bar([x + 0.2 for x in xs], on, 0.4, label="ngram")
-    for x, n in zip(xs, names, strict=True):
-        ax.annotate(f"{result['workloads'][n]['speedup']:.2f}x", (x + 0.2, on[x]), ha="center")
-    ax.set_xticks(list(xs), names)
-    ax.set_ylabel("output tokens/s (batch 1, greedy)")
+    cases = result["cases"]
+    proposers = list(result["proposers"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(proposers)
+    for j, name in enumerate(proposers):
+        xs = [i + (j - (len(proposers) - 1) / 2) * width for i in range(len(cases))]
+        ys = [c["speedup"][name] for c in cases]
+        ax.bar(xs, ys, width, label=name)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(cases)), [c["case"] for c in cases], rotation=15, fontsize=8)
+    ax.set_ylabel("tokens/s, on / off")
     ax.set_title(f"speculative decoding, {result['checkpoint']} ({result['threads']} thread)")
     ax.legend()
     fig.tight_layout()
@@ -109,7 +159,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--draft-layers", type=int, default=8, help="self_draft's num_draft_layers")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--batches", default="1,16")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out")
     parser.add_argument("--replot", metavar="JSON", help="only draw the PNG of a saved run")
@@ -119,13 +171,23 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
+    import xgrammar as xgr
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model.path)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k}
-    result = {**run_header(model), "batch": 1, "speculative_config": spec, "workloads": {}}
-    for name, texts in WORKLOADS.items():
-        prompts = [
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
+    proposers = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
+        "self_draft": {
+            "method": "self_draft",
+            "num_draft_layers": args.draft_layers,
+            "num_speculative_tokens": args.k,
+        },
+    }
+    result = {**run_header(model), "proposers": proposers, "cases": []}
+    encoded = {
+        name: [
             list(
                 tokenizer.apply_chat_template(
                     [{"role": "user", "content": text}],
@@ -136,15 +198,31 @@ def main() -> None:
             )
             for text in texts
         ]
-        off = run(model.path, prompts, None, args.max_tokens)
-        on = run(model.path, prompts, spec, args.max_tokens)
-        result["workloads"][name] = {
+        for name, texts in WORKLOADS.items()
+    }
+    cases = [(name, int(b), None) for name in WORKLOADS for b in args.batches.split(",")]
+    # Constrained copy-heavy: the JSON rewrite under the record's schema, batch 1.
+    cases.append(("copy (JSON schema)", 1, grammar))
+    for name, batch, g in cases:
+        prompts = encoded["copy"][:1] if g is not None else encoded[name]
+        off = run(model.path, prompts, None, args.max_tokens, batch, g)
+        case = {
+            "case": f"{name}, batch {batch}",
+            "workload": name,
+            "batch": batch,
+            "constrained": g is not None,
             "off": {k: v for k, v in off.items() if k != "outputs"},
-            "ngram": {k: v for k, v in on.items() if k != "outputs"},
-            "speedup": round(on["tokens_per_s"] / off["tokens_per_s"], 3),
-            # Greedy verification commits what ordinary decode would: the outputs must agree.
-            "identical_outputs": on["outputs"] == off["outputs"],
+            "speedup": {},
+            "identical_outputs": {},
         }
+        for proposer, spec in proposers.items():
+            on = run(model.path, prompts, spec, args.max_tokens, batch, g)
+            case[proposer] = {k: v for k, v in on.items() if k != "outputs"}
+            case["speedup"][proposer] = round(on["tokens_per_s"] / off["tokens_per_s"], 3)
+            # Greedy verification commits what ordinary decode would: the outputs must agree.
+            case["identical_outputs"][proposer] = on["outputs"] == off["outputs"]
+        result["cases"].append(case)
+        print(json.dumps({k: case[k] for k in ("case", "speedup", "identical_outputs")}))
     write_json(result, args.out)
     if args.out:
         plot(result, args.out.removesuffix(".json") + ".png")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from actors.config import CacheConfig, ModelConfig, ParallelConfig, check_tensor_parallel
 from actors.executor.base import Executor, ExecutorError
+from actors.spec_decode.config import SpeculativeConfig
 
 
 def make_executor(
@@ -18,15 +19,21 @@ def make_executor(
     cache_config: CacheConfig,
     parallel_config: ParallelConfig,
     seed: int = 0,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> Executor:
     check_tensor_parallel(model_config, parallel_config.tensor_parallel_size)
+    if speculative_config is not None and speculative_config.method == "draft_model":
+        from actors.spec_decode.draft import draft_model_config
+
+        draft = draft_model_config(speculative_config, model_config)
+        check_tensor_parallel(draft, parallel_config.tensor_parallel_size)
     if parallel_config.tensor_parallel_size == 1:
         from actors.executor.in_process import InProcessExecutor
 
-        return InProcessExecutor(model_config, cache_config, seed)
+        return InProcessExecutor(model_config, cache_config, seed, speculative_config)
     from actors.executor.ray_tp import RayExecutor
 
-    return RayExecutor(model_config, cache_config, parallel_config, seed)
+    return RayExecutor(model_config, cache_config, parallel_config, seed, speculative_config)
 
 
 __all__ = ["Executor", "ExecutorError", "make_executor"]

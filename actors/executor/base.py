@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from actors.messages import GrammarMasks, StepInput, StepOutput
+from actors.spec_decode.draft import DraftRequest
 
 
 class ExecutorError(RuntimeError):
@@ -33,6 +34,11 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def execute(self, step: StepInput, masks: Future[GrammarMasks] | None = None) -> StepOutput: ...
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """A model proposer's drafts, drafted alike on every rank (rank 0's returned, and
+        kept there for the step that verifies them)."""
+        raise NotImplementedError(f"{type(self).__name__} has no model proposer")
 
     @abc.abstractmethod
     def is_healthy(self) -> bool: ...

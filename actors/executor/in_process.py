@@ -7,15 +7,25 @@ from concurrent.futures import Future
 from actors.config import CacheConfig, ModelConfig
 from actors.executor.base import Executor, ExecutorError, wait_for_masks
 from actors.messages import GrammarMasks, StepInput, StepOutput
+from actors.spec_decode.config import SpeculativeConfig
+from actors.spec_decode.draft import DraftRequest
 
 
 class InProcessExecutor(Executor):
     """TP=1 in the caller's process: no Ray, no serialisation."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, seed: int = 0):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        seed: int = 0,
+        speculative_config: SpeculativeConfig | None = None,
+    ):
         from actors.executor.worker import Worker
 
-        self.worker = Worker(model_config, cache_config, seed=seed)
+        self.worker = Worker(
+            model_config, cache_config, seed=seed, speculative_config=speculative_config
+        )
         self._healthy = True
 
     def determine_num_blocks(self) -> int:
@@ -39,6 +49,15 @@ class InProcessExecutor(Executor):
             raise ExecutorError(f"step failed: {exc}") from exc
         assert out is not None
         return out
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        try:
+            drafts = self.worker.propose(requests)
+        except Exception as exc:
+            self._healthy = False
+            raise ExecutorError(f"drafting failed: {exc}") from exc
+        assert drafts is not None
+        return drafts
 
     def is_healthy(self) -> bool:
         return self._healthy

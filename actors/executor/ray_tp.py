@@ -30,6 +30,8 @@ from actors.executor.worker import RayWorkerShell
 from actors.mask_buffer import check_ranks_agree
 from actors.messages import GrammarMasks, StepInput, StepOutput
 from actors.placement_failure import executor_group_name, placement_failure_message
+from actors.spec_decode.config import SpeculativeConfig
+from actors.spec_decode.draft import DraftRequest
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ class RayExecutor(Executor):
         cache_config: CacheConfig,
         parallel_config: ParallelConfig,
         seed: int = 0,
+        speculative_config: SpeculativeConfig | None = None,
     ):
         if not ray.is_initialized():
             ray.init(address="local", log_to_driver=False)
@@ -102,7 +105,7 @@ class RayExecutor(Executor):
             address = ray.get(self.workers[0].rendezvous_address.remote())
             self._all(
                 lambda rank, w: w.init_worker.remote(
-                    model_config, cache_config, rank, self.tp, address, seed
+                    model_config, cache_config, rank, self.tp, address, seed, speculative_config
                 )
             )
         except BaseException:
@@ -182,6 +185,15 @@ class RayExecutor(Executor):
                 filled = wait_for_masks(masks)
             # The other ranks' forward keeps its logits until their next step replaces them.
             return _gather([self.workers[0].sample.remote(filled), *refs], None)[0]
+        except (RayError, GetTimeoutError) as exc:
+            self._healthy = False
+            raise ExecutorError(f"tensor-parallel worker failed: {exc}") from exc
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        if not self._healthy:
+            raise ExecutorError("a tensor-parallel worker was lost earlier")
+        try:
+            return self._all(lambda _, w: w.propose.remote(requests))[0]
         except (RayError, GetTimeoutError) as exc:
             self._healthy = False
             raise ExecutorError(f"tensor-parallel worker failed: {exc}") from exc

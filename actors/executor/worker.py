@@ -17,6 +17,8 @@ from actors.messages import GrammarMasks, StepInput, StepOutput
 from actors.model_runner import ModelRunner
 from actors.parallel_state import TPGroup, ensure_single_rank_group, set_tp_group
 from actors.platform import describe, device_for_rank, distributed_backend
+from actors.spec_decode.config import SpeculativeConfig
+from actors.spec_decode.draft import DraftRequest
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class Worker:
         world_size: int = 1,
         init_method: str | None = None,
         seed: int = 0,
+        speculative_config: SpeculativeConfig | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -43,7 +46,7 @@ class Worker:
             )
             set_tp_group(TPGroup(rank=rank, world_size=world_size, group=dist.group.WORLD))
         logger.info("TP rank %d/%d on %s", rank, world_size, describe())
-        self.runner = ModelRunner(model_config, cache_config, self.device, seed=seed)
+        self.runner = ModelRunner(model_config, cache_config, self.device, seed, speculative_config)
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -62,6 +65,9 @@ class Worker:
 
     def sample(self, masks: GrammarMasks | None) -> StepOutput | None:
         return self.runner.sample(masks)
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]] | None:
+        return self.runner.propose(requests)
 
     def shard_info(self) -> dict[str, object]:
         """Parameter shapes and bytes held by this rank (tests check the sharding)."""
@@ -136,6 +142,9 @@ class RayWorkerShell:
 
     def sample(self, masks: GrammarMasks | None) -> StepOutput | None:
         return self._w.sample(masks)
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]] | None:
+        return self._w.propose(requests)
 
     def shard_info(self) -> dict[str, object]:
         return {**self._w.shard_info(), "node_id": self.node_id()}

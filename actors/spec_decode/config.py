@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
-# Named by the issue tracker's plan, built in a later step: refused with a message that says so.
-PLANNED_METHODS = ("draft_model", "self_draft")
+# ngram: prompt lookup, no model. draft_model: a second checkpoint with the target's
+# tokenizer (`model`). self_draft: the target's first `num_draft_layers` layers and its head.
+METHODS = ("ngram", "draft_model", "self_draft")
+MODEL_METHODS = ("draft_model", "self_draft")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -23,16 +24,36 @@ class SpeculativeConfig:
     # Back-off: a sequence whose acceptance rate over its last 32 proposed tokens falls below
     # this stops proposing for a while, then probes again (0 turns back-off off).
     min_acceptance_rate: float = 0.3
+    # draft_model: the draft checkpoint's folder (vLLM's name). Its vocabulary must be the
+    # target's.
+    model: str | None = None
+    # self_draft: how many of the target's layers (from the first) the draft runs before the
+    # target's final norm and head; checked against the target's depth when the engine starts.
+    num_draft_layers: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method in PLANNED_METHODS:
-            raise ValueError(
-                f"speculative_config.method: {self.method!r} is not available in this build; "
-                f"use one of {', '.join(METHODS)}"
-            )
         if self.method not in METHODS:
             raise ValueError(
                 f"speculative_config.method: {self.method!r} is not one of {', '.join(METHODS)}"
+            )
+        if (self.model is not None) != (self.method == "draft_model"):
+            raise ValueError(
+                "speculative_config.model: the draft checkpoint is required with method "
+                "'draft_model' and taken by no other method"
+            )
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model: expected a checkpoint folder")
+        layers = self.num_draft_layers
+        if (layers is not None) != (self.method == "self_draft"):
+            raise ValueError(
+                "speculative_config.num_draft_layers: required with method 'self_draft' and "
+                "taken by no other method"
+            )
+        if layers is not None and not (
+            isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1
+        ):
+            raise ValueError(
+                f"speculative_config.num_draft_layers: {layers!r} must be a positive integer"
             )
         k = self.num_speculative_tokens
         if not (isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
@@ -69,5 +90,12 @@ class SpeculativeConfig:
             )
         return cls(**raw)
 
+    @property
+    def uses_model(self) -> bool:
+        """Whether the drafts come from a model run on the engine's ranks."""
+        return self.method in MODEL_METHODS
+
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every key in effect (those of other methods, unset, left out)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in values.items() if v is not None}

@@ -178,9 +178,15 @@ def chi_square_p_below_001(a: Counter, b: Counter) -> bool:
     return stat > critical
 
 
-def test_sampled_distribution_is_unchanged_by_speculation(tiny, monkeypatch):
+@pytest.fixture(scope="module")
+def unspeculated(tiny) -> list[Counter]:
+    """20,000 samples without speculation: the reference both distribution tests compare to."""
+    return sample_positions(tiny, 20_000)[0]
+
+
+def test_sampled_distribution_is_unchanged_by_speculation(tiny, unspeculated, monkeypatch):
     num = 20_000
-    off, _ = sample_positions(tiny, num)
+    off = unspeculated
     # Draft the likeliest tokens at positions 1 and 2, so both acceptance and rejection (with
     # the residual draw) carry real mass.
     draft = [off[0].most_common(1)[0][0], off[1].most_common(1)[0][0]]
@@ -195,6 +201,20 @@ def test_sampled_distribution_is_unchanged_by_speculation(tiny, monkeypatch):
     monkeypatch.setattr(actors.model_runner, "accept_draft", biased_acceptance)
     biased, _ = sample_positions(tiny, num // 4, spec, FixedProposer(draft), seed=1)
     assert chi_square_p_below_001(biased[0], off[0])
+
+
+def test_sampled_distribution_with_a_draft_model_is_the_targets(
+    tiny, model_dirs, unspeculated, monkeypatch
+):
+    # Another random checkpoint drafts from its own q; rejection sampling against it keeps the
+    # target's distribution (the rule itself: tests/engine/test_model_proposers.py).
+    other = str(model_dirs("llama", seed=1))
+    spec = {"method": "draft_model", "model": other, "num_speculative_tokens": 2}
+    num = 20_000
+    on, accepted = sample_positions(tiny, num, spec, seed=1)
+    assert accepted > num // 20  # both kept drafts and residual draws carry mass
+    for a, b in zip(on, unspeculated, strict=True):
+        assert not chi_square_p_below_001(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -316,8 +336,8 @@ def test_speculative_config_is_checked():
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="unknown key"):
         SpeculativeConfig.from_dict({"method": "ngram", "k": 3})
-    with pytest.raises(ValueError, match="not available"):
-        SpeculativeConfig.from_dict({"method": "draft_model"})
+    with pytest.raises(ValueError, match="not one of ngram, draft_model, self_draft"):
+        SpeculativeConfig.from_dict({"method": "medusa"})
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig.from_dict({"prompt_lookup_min": 4, "prompt_lookup_max": 2})
     with pytest.raises(ValueError, match="min_acceptance_rate"):
