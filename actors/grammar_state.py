@@ -109,7 +109,10 @@ class MaskFiller:
                 # Provisional: a token this row forbids ends the draft's masks here.
                 if _allows(bitmask[row], token) and constraint.matcher.accept_token(token):
                     advanced[w] += 1
-                    still.append(w)
+                    # A draft that runs past the grammar's end (its stop token accepted)
+                    # has no mask after it: a verified stop token ends the sequence.
+                    if not constraint.matcher.is_terminated():
+                        still.append(w)
             live = still
             position += 1
         for (constraint, _, _), count in zip(work, advanced, strict=True):

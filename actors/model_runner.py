@@ -147,7 +147,7 @@ class ModelRunner:
         self._gathered = []
         self.backend.retain(set())
         if self.draft is not None:
-            self.draft.init_kv_cache(num_blocks)
+            self.draft.init_kv_cache(num_blocks, self.kv_caches)
 
     # ---------------------------------------------------------------- speculation
     def propose(self, requests: list[DraftRequest]) -> list[list[int]] | None:

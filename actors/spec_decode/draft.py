@@ -9,7 +9,9 @@ target's block manager stays the only allocator. Positions past the blocks a seq
 
 A sequence's draft KV is kept across steps: each round feeds only the committed tokens the draft
 has not seen (the last one, and those a verification accepted), then drafts. Preemption frees a
-sequence's blocks, so a preempted sequence starts over.
+sequence's blocks, so a preempted sequence starts over. `self_draft`'s layers are the target's
+own, so their KV of committed tokens is the target's: it is copied block by block from the
+target's cache (never recomputed), and each round feeds only the last committed token.
 
 Greedy requests draft the draft model's argmax. Sampled ones draw from the draft's own
 distribution q (the request's temperature and top-k/top-p/min-p over the draft's logits) and
@@ -163,6 +165,8 @@ class DraftRunner:
         # A kept gather is the target's optimisation; the draft reads its cache as it lies.
         self.runner.keep_gathers = False
         self.block_size = cache_config.block_size
+        self.scratch_device = device
+        self.shared: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.scratch: list[int] = []
         self.states: dict[str, _SeqDraftState] = {}
@@ -173,10 +177,16 @@ class DraftRunner:
     def bytes_per_block(self) -> int:
         return self.runner.bytes_per_block
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(
+        self, num_blocks: int, target_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
         self.num_blocks = num_blocks
         self._allocate(num_blocks, 0)
         self.states.clear()
+        # self_draft: the target's caches of the layers it shares, where committed KV is read.
+        self.shared = target_caches[: self.runner.config.num_layers]
+        if self.spec.method != "self_draft":
+            self.shared = []
 
     def _allocate(self, num_blocks: int, num_scratch: int) -> None:
         self.runner.init_kv_cache(num_blocks + num_scratch)
@@ -203,6 +213,7 @@ class DraftRunner:
             self._grow(2 * need)
         free = iter(self.scratch)
         items = []
+        copies: list[int] = []
         for r in requests:
             state = self.states.get(r.seq_id)
             if state is None or state.num_preemptions != r.num_preemptions:
@@ -213,9 +224,18 @@ class DraftRunner:
             table += [next(free) for _ in range(blocks - len(table))]
             tables.append(table)
             start = min(state.computed, n - 1)
+            if self.shared and start < n - 1:
+                # The target computed every committed token but the last: take its KV.
+                copies.extend(r.block_table[start // bs : (n - 2) // bs + 1])
+                start = n - 1
             items.append(ScheduledItem(r.seq_id, r.token_ids[start:n], start, table, True))
             # What lies in blocks the sequence owns stays valid; scratch is reused next round.
             state.computed = min(n, len(r.block_table) * bs)
+        if copies:
+            index = torch.tensor(copies, device=self.scratch_device)
+            for (k, v), (tk, tv) in zip(self.runner.kv_caches, self.shared, strict=True):
+                k.index_copy_(1, index, tk.index_select(1, index))
+                v.index_copy_(1, index, tv.index_select(1, index))
         drafts = [Draft([], None) for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         live = list(range(len(requests)))

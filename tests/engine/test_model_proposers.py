@@ -12,6 +12,7 @@ are rejected, which exercises rollback and the residual draw."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -24,7 +25,8 @@ from actors.grammar_state import GrammarConstraint
 from actors.sampler import NO_TOKEN, race
 from actors.spec_decode import SpeculativeConfig
 from actors.spec_decode.verify import accept_sampled
-from tests.engine.test_speculative import PROMPTS, chi_square_p_below_001, tokens
+from serve_app.grammar.convert import spec_ebnf
+from tests.engine.test_speculative import NGRAM, PROMPTS, chi_square_p_below_001, tokens
 
 SMALL = dict(num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
 
@@ -159,6 +161,11 @@ def test_a_seed_repeats_its_tokens_with_a_model_proposer(tiny, proposers):
     assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 0
 
 
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}},
+    "required": ["city"],
+}
 GRAMMARS = {
     "json_schema": lambda c: c.compile_json_schema(
         json.dumps(
@@ -175,6 +182,25 @@ GRAMMARS = {
         'root ::= "(" expr ")"\nexpr ::= num | num "+" expr\nnum ::= [0-9] | [1-9] [0-9]'
     ),
     "choice": lambda c: c.compile_regex(r"(yes|no|maybe)"),
+    # The grammars the server builds for tool_choice="required" and for reasoning then JSON.
+    "tool_choice=required": lambda c: c.compile_grammar(
+        spec_ebnf(
+            "tool_calls",
+            json.dumps({"functions": [["get_weather", WEATHER]], "only_one": False}),
+        )
+    ),
+    "reasoning then JSON": lambda c: c.compile_grammar(
+        spec_ebnf(
+            "after_reasoning",
+            json.dumps(
+                {
+                    "inner": ["json_schema", json.dumps(WEATHER)],
+                    "strict": True,
+                    "starts_in_reasoning": False,
+                }
+            ),
+        )
+    ),
 }
 
 
@@ -207,14 +233,15 @@ def replays(compiled, token_ids) -> bool:
     return all(matcher.accept_token(t) for t in token_ids)
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model itself"])
 @pytest.mark.parametrize("kind", list(GRAMMARS))
-def test_constrained_model_drafts_commit_only_what_the_grammar_allows(
-    tiny, proposers, compiler, kind
+def test_constrained_drafts_commit_only_what_the_grammar_allows(
+    tiny, proposers, compiler, kind, proposer
 ):
     compiled = GRAMMARS[kind](compiler[1])
     # The target drafting for itself, unconstrained: its drafts leave the grammar wherever the
     # mask bites, and those tokens are rejected there.
-    spec = proposers["draft_model itself"]
+    spec = NGRAM if proposer == "ngram" else proposers[proposer]
     greedy = SamplingParams(max_tokens=60, temperature=0.0)
     off, _ = constrained(tiny, compiler, compiled, None, greedy)
     on, stats = constrained(tiny, compiler, compiled, spec, greedy)
@@ -285,3 +312,23 @@ def test_an_early_exit_through_every_layer_is_the_target(tiny):
     torch.testing.assert_close(draft.last_logits(items), target.last_logits(items))
     step = [ScheduledItem("s", [5], len(prompt), [0, 1, 2], True)]
     torch.testing.assert_close(draft.last_logits(step), target.last_logits(step))
+
+
+@pytest.mark.ray
+def test_tp2_a_rank_holding_another_mask_buffer_stops_the_registration(ray_session, tiny):
+    """Over Ray, as the engine registers its mask buffer at start: a rank that already holds
+    another shape refuses, and the error that reaches the engine names both shapes."""
+    from actors.config import CacheConfig, ModelConfig, ParallelConfig
+    from actors.executor.ray_tp import RayExecutor
+    from actors.mask_buffer import mask_shape
+
+    config = ModelConfig.from_pretrained(tiny, dtype=torch.float32)
+    executor = RayExecutor(config, CacheConfig(), ParallelConfig(tensor_parallel_size=2))
+    try:
+        executor.init_kv_cache(8)
+        ray_session.get(executor.workers[1].register_vocab_mask_buffer.remote(5))
+        want, held = mask_shape(8, config.vocab_size), mask_shape(5, config.vocab_size)
+        with pytest.raises(Exception, match=rf"{re.escape(str(want))}.*{re.escape(str(held))}"):
+            executor.register_vocab_mask_buffer(8)
+    finally:
+        executor.shutdown()

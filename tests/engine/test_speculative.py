@@ -296,6 +296,34 @@ def test_a_proposer_of_illegal_tokens_never_gets_one_committed(tiny, grammar):
         assert bad not in ids and replays(compiled, ids)
 
 
+class PastTheEndProposer:
+    """A test double: drafts what a run without speculation produced next, through its last
+    token (the grammar's stop token) and on past it, so drafts cross the grammar's end."""
+
+    name = "past-the-end"
+
+    def __init__(self, outputs: dict[str, list[int]], prompts: list[list[int]]):
+        self.futures = [(prompts[i], outputs[f"r{i}"]) for i in range(len(prompts))]
+
+    def propose(self, seq, k):
+        done = seq.output_token_ids
+        for prompt, out in self.futures:
+            if prompt == seq.prompt_token_ids and out[: len(done)] == done:
+                return (out[len(done) :] + [out[-1]] * k)[:k]
+        return []
+
+
+def test_a_draft_past_the_grammars_end_stops_there(tiny, grammar):
+    tokenizer, compiled = grammar
+    off, _, _ = run_constrained(tiny, grammar, None)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    on, stats, rejected = run_constrained(tiny, grammar, NGRAM, PastTheEndProposer(off, prompts))
+    assert on == off and rejected == 0
+    assert stats["spec_accepted_tokens"] > 0
+    for ids in on.values():
+        assert replays(compiled, ids)
+
+
 def test_prefix_cache_reuse_is_unaffected_by_rolled_back_tokens(tiny):
     params = SamplingParams(max_tokens=40, temperature=0.0)
     with LLM(model=tiny, speculative_config=NGRAM, block_size=4) as llm:
