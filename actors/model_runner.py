@@ -105,7 +105,13 @@ class ModelRunner:
         self.draft: DraftRunner | None = None
         if speculative_config is not None and speculative_config.uses_model:
             self.draft = DraftRunner(
-                speculative_config, model_config, cache_config, device, self.model, seed
+                speculative_config,
+                model_config,
+                cache_config,
+                device,
+                self.model,
+                ModelRunner,
+                seed,
             )
         self.drafts: dict[str, Draft] = {}
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from actors.config import CacheConfig, ModelConfig
 from actors.messages import ScheduledItem
+from actors.models.llama import LlamaModel
 from actors.sampler import SeqSamplingState, _filtered_probs, position_generator
 from actors.spec_decode.config import SpeculativeConfig
 
@@ -99,13 +100,8 @@ class EarlyExit(nn.Module):
         self.norm = target.model.norm
         self.lm_head = target.lm_head
 
-    def forward(self, input_ids, positions, kv_caches) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache)
-        x, _ = self.norm(x, residual)
-        return x
+    # The decoder's own loop: it reads only embed_tokens, layers and norm, which this has.
+    forward = LlamaModel.forward
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -148,10 +144,11 @@ class DraftRunner:
         cache_config: CacheConfig,
         device: torch.device,
         target_model: nn.Module,
+        runner_class: type,
         seed: int = 0,
     ) -> None:
-        from actors.model_runner import ModelRunner
-
+        """`runner_class`: the engine's ModelRunner, which builds and steps the draft's model
+        and cache as it does the target's (passed in: it imports this module)."""
         self.spec = spec
         config = draft_model_config(spec, target_config)
         build = None
@@ -161,7 +158,7 @@ class DraftRunner:
             def build(backend):
                 return EarlyExit(target_model, layers, backend)
 
-        self.runner = ModelRunner(config, cache_config, device, seed=seed, build=build)
+        self.runner = runner_class(config, cache_config, device, seed=seed, build=build)
         # A kept gather is the target's optimisation; the draft reads its cache as it lies.
         self.runner.keep_gathers = False
         self.block_size = cache_config.block_size
