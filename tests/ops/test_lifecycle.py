@@ -88,7 +88,7 @@ def test_half_of_200_streams_disconnect_and_everything_is_released(serve_url, ad
     finished = [r for r in results if r is not None]
     assert len(finished) == 100
     for usage_chunk in finished:
-        assert usage_chunk["choices"] == []
+        assert usage_chunk.get("choices") == [], usage_chunk
         assert usage_chunk["usage"]["completion_tokens"] == max_tokens
     # Everything the disconnected half held (KV blocks, queues, live requests) is released.
     _wait_idle(admin_url, within_s=2.0)
