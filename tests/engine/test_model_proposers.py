@@ -26,7 +26,13 @@ from actors.sampler import NO_TOKEN, race
 from actors.spec_decode import SpeculativeConfig
 from actors.spec_decode.verify import accept_sampled
 from serve_app.grammar.convert import spec_ebnf
-from tests.engine.test_speculative import NGRAM, PROMPTS, chi_square_p_below_001, tokens
+from tests.engine.test_speculative import (
+    NGRAM,
+    PROMPTS,
+    assert_same_committed,
+    chi_square_p_below_001,
+    tokens,
+)
 
 SMALL = dict(num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
 
@@ -79,12 +85,7 @@ def test_greedy_outputs_are_ordinary_decodes_for_every_model_proposer(tiny, prop
         if itself:  # the draft's cache is exact: every drafted token is the target's
             assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"]
         if params.logprobs:
-            for a, b in zip(on, off, strict=True):
-                x, y = a.outputs[0], b.outputs[0]
-                assert len(x.token_ids) == 23
-                assert [lp.rank for lp in x.logprobs] == [lp.rank for lp in y.logprobs]
-                for p, q in zip(x.logprobs, y.logprobs, strict=True):
-                    assert p.logprob == pytest.approx(q.logprob, abs=1e-4)
+            assert_same_committed(on, off, 23)
     stop_text = off[0].outputs[0].text[5:9]
     params = SamplingParams(max_tokens=40, temperature=0.0, stop=[stop_text])
     off, _ = run(tiny, PROMPTS[:1], params, None)

@@ -63,17 +63,22 @@ def test_identical_under_chunked_prefill_preemption_and_n(tiny):
     assert stats["num_preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
 
 
+def assert_same_committed(on, off, num_tokens: int) -> None:
+    """Each first output: the same `num_tokens` tokens, logprob ranks, logprobs (1e-4)."""
+    for a, b in zip(on, off, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert x.token_ids == y.token_ids and len(x.token_ids) == num_tokens
+        assert [lp.rank for lp in x.logprobs] == [lp.rank for lp in y.logprobs]
+        for p, q in zip(x.logprobs, y.logprobs, strict=True):
+            assert p.logprob == pytest.approx(q.logprob, abs=1e-4)
+
+
 def test_logprobs_stops_and_max_tokens_see_only_committed_tokens(tiny):
     params = SamplingParams(max_tokens=23, temperature=0.0, logprobs=2, min_tokens=3)
     off, _ = generate(tiny, PROMPTS, params, None)
     on, stats = generate(tiny, PROMPTS, params, NGRAM)
     assert stats["spec_accepted_tokens"] > 0
-    for a, b in zip(on, off, strict=True):
-        x, y = a.outputs[0], b.outputs[0]
-        assert x.token_ids == y.token_ids and len(x.token_ids) == 23  # cut inside a run
-        assert [lp.rank for lp in x.logprobs] == [lp.rank for lp in y.logprobs]
-        for p, q in zip(x.logprobs, y.logprobs, strict=True):
-            assert p.logprob == pytest.approx(q.logprob, abs=1e-4)
+    assert_same_committed(on, off, 23)  # cut inside a run
     # A stop string that lands inside an accepted run cuts the text there.
     stop_text = off[0].outputs[0].text[5:9]
     params = SamplingParams(max_tokens=40, temperature=0.0, stop=[stop_text])
