@@ -52,6 +52,21 @@ def record_latency(name: str, seconds: float, endpoint: str) -> None:
     ).observe(seconds, tags={"endpoint": endpoint})
 
 
+_TOKENS_PER_CHUNK_BUCKETS = [1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0]
+
+
+def record_tokens_per_chunk(endpoint: str, tokens_per_chunk: float) -> None:
+    """One observation per stream: its output tokens per token-carrying SSE event (1 while
+    the writer keeps up; more where it fell behind and coalesced pending tokens)."""
+    _get(
+        "Histogram",
+        "serve_app_stream_tokens_per_chunk",
+        "A stream's output tokens per token-carrying SSE event.",
+        boundaries=_TOKENS_PER_CHUNK_BUCKETS,
+        tag_keys=("endpoint",),
+    ).observe(tokens_per_chunk, tags={"endpoint": endpoint})
+
+
 def record_outcome(endpoint: str, outcome: str, code: str = "") -> None:
     """Finished requests by outcome (a finish reason, or `error`) and error code, so client
     cancels, overload and internal timeouts are told apart."""

@@ -34,7 +34,8 @@ HTTP status (OpenAI's names where OpenAI has one); `code` names the exact cause.
 |        |                         |                               | max_tokens_exceeded          |
 | 429    | rate_limit_error        | shed load, honour Retry-After | concurrency_limit,           |
 |        |                         |                               | token_rate_limit             |
-| 500    | server_error            | retry only if idempotent      | internal_error               |
+| 500    | server_error            | retry only if idempotent      | internal_error,              |
+|        |                         |                               | engine_lost                  |
 | 503    | overloaded_error        | back off, retry elsewhere     | overloaded,                  |
 |        |                         |                               | deadline_unmeetable          |
 
@@ -66,6 +67,7 @@ from serve_app.errors.constructors import (  # noqa: F401
     context_length_exceeded,
     deadline_too_short,
     deadline_unmeetable,
+    engine_lost,
     internal_error,
     invalid_api_key,
     invalid_grammar,

@@ -121,3 +121,9 @@ def internal_error(message: str = "Internal error.", retryable: bool = False) ->
     # effect recorded); default to "do not repeat", which never duplicates work.
     headers = {"x-should-retry": "true" if retryable else "false"}
     return APIError(500, "internal_error", message, headers=headers)
+
+
+def engine_lost(message: str, retryable: bool = False) -> APIError:
+    """The engine replica (or a worker of it) failed under a running request."""
+    headers = {"x-should-retry": "true" if retryable else "false"}
+    return APIError(500, "engine_lost", message, headers=headers)

@@ -138,6 +138,8 @@ TAXONOMY: list[dict[str, Any]] = [
         "type": ERROR_TYPES[500],
         "client_action": "retry only if the request is idempotent",
         "should_retry": "only when x-should-retry is true",
-        "codes": ["internal_error"],
+        "codes": ["internal_error", "engine_lost"],
+        "note": "engine_lost: the engine replica or one of its workers failed under the "
+        "request (an error frame once streaming)",
     },
 ]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 from actors.messages import TokenLogprobs
 from actors.outputs import CompletionDelta
+from serve_app.openai.streaming import ChunkFrames
 from serve_app.openai.token_text import TokenTexts
 from serve_app.parsers.chat_output import ChoiceMessage, ChoiceParser, OutputEvent, ReasoningDelta
 from serve_app.parsers.tools import ContentDelta, ToolCallStart
@@ -22,15 +26,13 @@ from serve_app.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
     FunctionCall,
     ToolCallOut,
     Usage,
     openai_finish_reason,
 )
-from serve_app.protocol.responses import PromptLogprob, PromptLogprobs, clamp_logprob
+from serve_app.protocol.responses import PromptLogprob, PromptLogprobs, clamp_logprob, now
 
 
 @dataclass
@@ -178,20 +180,20 @@ def chat_message(message: ChoiceMessage, broken: list[int]) -> ChatResponseMessa
     )
 
 
-def event_delta(event: OutputEvent) -> DeltaMessage:
+def event_delta(event: OutputEvent) -> dict[str, Any]:
+    """A parser event as a chunk's `delta`, in `DeltaMessage`'s wire form (built as a dict:
+    this runs per token, and a pydantic round trip costs several times the rest)."""
     if isinstance(event, ContentDelta):
-        return DeltaMessage(content=event.text)
+        return {"content": event.text}
     if isinstance(event, ReasoningDelta):
-        return DeltaMessage(reasoning_content=event.text)
+        return {"reasoning_content": event.text}
     if isinstance(event, ToolCallStart):
         # The whole name, once, before any argument fragment.
-        function = DeltaFunctionCall(name=event.name, arguments="")
-        call = DeltaToolCall(index=event.index, id=event.id, type="function", function=function)
+        function = {"name": event.name, "arguments": ""}
+        call = {"index": event.index, "id": event.id, "type": "function", "function": function}
     else:
-        call = DeltaToolCall(
-            index=event.index, function=DeltaFunctionCall(arguments=event.fragment)
-        )
-    return DeltaMessage(tool_calls=[call])
+        call = {"index": event.index, "function": {"arguments": event.fragment}}
+    return {"tool_calls": [call]}
 
 
 @dataclass
@@ -214,6 +216,13 @@ class Formatter:
     prompt_top: int | None = None
     echo_top: int | None = None
     prompt_logprobs: list[list[TokenLogprobs | None] | None] = field(default_factory=list)
+    # One value for every chunk of the stream, as OpenAI sends it.
+    created: int = field(default_factory=now)
+
+    @cached_property
+    def frames(self) -> ChunkFrames:
+        """The stream's chunk envelope, serialized once for its per-token chunks."""
+        return ChunkFrames(self._chunk([]))
 
     def _ids(self, token_ids: list[int]) -> list[int] | None:
         return list(token_ids) if self.want_token_ids else None
@@ -309,54 +318,57 @@ class Formatter:
         )
         return self._chunk([item])
 
-    def content_chunk(
-        self,
-        index: int,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[TokenLogprobs] | None,
-        offset: int,
-    ) -> dict:
+    def stream_logprobs(self, parts: list[tuple[CompletionDelta, int]]) -> dict | None:
+        """One chunk's wire `logprobs`: its engine deltas' (each with the text offset it
+        starts at), joined in order; None when there are none."""
+        if not parts:
+            return None
         if self.chat:
-            lp = chat_logprobs(self.texts, token_ids, logprobs) if logprobs else None
-            choice = ChatChunkChoice(
-                index=index,
-                delta=DeltaMessage(content=text),
-                logprobs=lp,
-                token_ids=self._ids(token_ids),
-            )
-            return self._chunk([choice])
-        clp = completion_logprobs(self.texts, token_ids, logprobs, offset) if logprobs else None
-        item = CompletionChoice(
-            index=index,
-            text=text,
-            logprobs=clp,
-            token_ids=self._ids(token_ids),
-        )
-        return self._chunk([item])
+            ids = [t for delta, _ in parts for t in delta.token_ids]
+            lps = [lp for delta, _ in parts for lp in delta.logprobs or []]
+            return chat_logprobs(self.texts, ids, lps).to_dict()
+        built = [
+            completion_logprobs(self.texts, delta.token_ids, delta.logprobs or [], offset)
+            for delta, offset in parts
+        ]
+        return functools.reduce(joined, built).to_dict()
 
-    def event_chunks(
-        self,
-        index: int,
-        events: list[OutputEvent],
-        token_ids: list[int],
-        logprobs: list[TokenLogprobs] | None,
+    def text_choice(
+        self, index: int, text: str, token_ids: list[int], logprobs: dict | None
+    ) -> dict:
+        """A completions content chunk's choice, in `CompletionChoice`'s wire form."""
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": None,
+            "stop_reason": None,
+        }
+        if self.want_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def event_choices(
+        self, index: int, events: list[OutputEvent], token_ids: list[int], logprobs: dict | None
     ) -> list[dict]:
-        """Chat: one chunk per event; the engine delta's logprobs and token ids ride on the
-        first (or on a chunk of their own when the parsers held all of its text back)."""
-        lp = chat_logprobs(self.texts, token_ids, logprobs) if logprobs else None
+        """Chat: one chunk choice per event, in `ChatChunkChoice`'s wire form; the engine
+        deltas' logprobs and token ids ride on the first (or on a choice of their own when
+        the parsers held all of their text back)."""
         ids = self._ids(token_ids) if token_ids else None
-        deltas = [event_delta(e) for e in events] or ([DeltaMessage()] if lp or ids else [])
-        chunks = []
+        deltas = [event_delta(e) for e in events] or ([{}] if logprobs or ids else [])
+        choices = []
         for i, delta in enumerate(deltas):
-            choice = ChatChunkChoice(
-                index=index,
-                delta=delta,
-                logprobs=lp if i == 0 else None,
-                token_ids=ids if i == 0 else None,
-            )
-            chunks.append(self._chunk([choice]))
-        return chunks
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs if i == 0 else None,
+                "finish_reason": None,
+                "stop_reason": None,
+            }
+            if i == 0 and ids is not None:
+                choice["token_ids"] = ids
+            choices.append(choice)
+        return choices
 
     def finish_chunk(self, choice: ChoiceState) -> dict:
         if self.chat:
@@ -381,8 +393,8 @@ class Formatter:
     def _chunk(
         self, choices: list, usage: Usage | None = None, prompt_token_ids: list[int] | None = None
     ) -> dict:
-        common = {"id": self.response_id, "model": self.model, "choices": choices}
-        common.update(usage=usage, system_fingerprint=self.fingerprint)
+        common = {"id": self.response_id, "created": self.created, "model": self.model}
+        common.update(choices=choices, usage=usage, system_fingerprint=self.fingerprint)
         if self.chat:
             return ChatCompletionChunk(**common, prompt_token_ids=prompt_token_ids).to_dict()
         return CompletionChunk(**common).to_dict()

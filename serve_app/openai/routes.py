@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -23,7 +22,14 @@ from serve_app.config.options import ServeConfig
 from serve_app.openai.admission import AdmittedRequest, OpenAIAdmission
 from serve_app.openai.request_ids import HEADER as REQUEST_ID_HEADER
 from serve_app.openai.request_ids import RequestIds
-from serve_app.openai.stream import collect_body, record_cancel, stream_sse
+from serve_app.openai.stream import (
+    Merged,
+    Ready,
+    collect_body,
+    engine_error,
+    record_cancel,
+    stream_sse,
+)
 from serve_app.openai.token_text import load_token_texts
 from serve_app.parsers.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.protocol import parse_request
@@ -147,7 +153,7 @@ class OpenAIHandlers:
             raise
         # The prompt's logprobs ride on each prompt's first output.
         job.formatter.prompt_logprobs = [first.prompt_logprobs for first in firsts]
-        merged = self._merge(streams, boxes, firsts, job)
+        merged = merged_outputs(streams, boxes, firsts, job.deadline, self.channels)
         if job.req.stream:
             return StreamingResponse(
                 stream_sse(merged, job), media_type="text/event-stream", headers=headers
@@ -174,80 +180,83 @@ class OpenAIHandlers:
         except Exception as exc:
             logger.error("engine refused request: %s", type(exc).__name__)
             raise errors.internal_error("The engine is unavailable.", retryable=True) from exc
-        if out.error_code == "invalid_grammar":
-            raise errors.invalid_grammar(out.error or "grammar failed", job.req.grammar_param())
-        if out.error_code == "overloaded":  # the grammar compilers are saturated
-            raise errors.overloaded(out.error or "grammar compilation is overloaded", 1.0)
-        if out.error_code == "request_limit_exceeded":
-            message = f"Invalid grammar: {out.error}"
-            raise errors.APIError(400, out.error_code, message, param=job.req.grammar_param())
-        if out.error_code == "deadline_too_short":
-            raise errors.deadline_too_short(out.error or "deadline too short")
-        if out.error_code == "deadline_unmeetable":
-            raise errors.deadline_unmeetable(out.error or "queue too long", retry_after_s=1.0)
-        if out.error is not None:
-            raise errors.internal_error(f"The engine failed: {out.error}", retryable=True)
+        if out.error is not None or out.error_code is not None:
+            # Nothing was sent yet: a repeat is safe.
+            message = out.error or out.error_code or "the engine failed"
+            raise engine_error(out.error_code, message, job, retryable=True)
         return out
-
-    async def _merge(
-        self, streams: list, boxes: list[Mailbox], firsts: list[RequestOutput], job: AdmittedRequest
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) from every prompt's stream or channel mailbox, ending at
-        the deadline; `(i, None)` follows prompt i's last output."""
-        queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
-
-        def deliver(i: int, out: RequestOutput) -> None:
-            queue.put_nowait((i, out))
-            if out.finished:
-                queue.put_nowait((i, None))
-
-        async def pump(i: int, gen, box: Mailbox) -> None:
-            if box.instance is not None:  # channelled: the call yields nothing more...
-                box.attach(lambda out: deliver(i, out))
-                try:
-                    async for out in gen:
-                        box.put(out)  # ...unless its channel closed under it
-                except Exception as exc:  # noqa: BLE001 (the replica or its worker died)
-                    logger.error("engine stream lost: %s", type(exc).__name__)
-                    box.fail("the engine replica was lost")
-                return
-            try:
-                async for out in gen:
-                    queue.put_nowait((i, out))
-            except Exception as exc:  # noqa: BLE001 (the replica or its worker died)
-                # A lost engine ends this prompt with an error, never as a short success,
-                # and nothing it started is re-run elsewhere.
-                logger.error("engine stream lost: %s", type(exc).__name__)
-                queue.put_nowait((i, lost_output("the engine replica was lost")))
-            finally:
-                queue.put_nowait((i, None))
-
-        pending = 0
-        tasks = []
-        for i, (gen, box, first) in enumerate(zip(streams, boxes, firsts, strict=True)):
-            await queue.put((i, first))
-            if not first.finished:
-                pending += 1
-                tasks.append(asyncio.create_task(pump(i, gen, box)))
-        try:
-            while pending or not queue.empty():
-                timeout = None if job.deadline is None else job.deadline - time.monotonic()
-                try:
-                    i, out = await asyncio.wait_for(queue.get(), timeout)
-                except TimeoutError:
-                    yield -1, None  # deadline: the caller ends the open choices
-                    return
-                if out is None:
-                    pending -= 1
-                    continue
-                yield i, out
-        finally:
-            for task in tasks:
-                task.cancel()
-            for gen in streams:
-                gen.cancel()
-            for box in boxes:
-                self.channels.release(box.request_id)
 
     async def _collect(self, merged, job: AdmittedRequest) -> Response:
         return JSONResponse(await collect_body(merged, job))
+
+
+async def merged_outputs(
+    streams: list,
+    boxes: list[Mailbox],
+    firsts: list[RequestOutput],
+    deadline: float | None,
+    channels: EngineChannels,
+) -> Merged:
+    """Every prompt's outputs from its stream or channel mailbox, as what is ready at each
+    pull (never waiting for more than the first), ending at the deadline."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    def deliver(i: int, out: RequestOutput) -> None:
+        queue.put_nowait((i, out))
+        if out.finished:
+            queue.put_nowait((i, None))
+
+    async def pump(i: int, gen, box: Mailbox) -> None:
+        if box.instance is not None:  # channelled: the call yields nothing more...
+            box.attach(lambda out: deliver(i, out))
+            try:
+                async for out in gen:
+                    box.put(out)  # ...unless its channel closed under it
+            except Exception as exc:  # noqa: BLE001 (the replica or its worker died)
+                logger.error("engine stream lost: %s", type(exc).__name__)
+                box.fail("the engine replica was lost")
+            return
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 (the replica or its worker died)
+            # A lost engine ends this prompt with an error, never as a short success,
+            # and nothing it started is re-run elsewhere.
+            logger.error("engine stream lost: %s", type(exc).__name__)
+            queue.put_nowait((i, lost_output("the engine replica was lost")))
+        finally:
+            queue.put_nowait((i, None))
+
+    pending = 0
+    tasks = []
+    for i, (gen, box, first) in enumerate(zip(streams, boxes, firsts, strict=True)):
+        await queue.put((i, first))
+        if not first.finished:
+            pending += 1
+            tasks.append(asyncio.create_task(pump(i, gen, box)))
+    try:
+        while pending or not queue.empty():
+            timeout = None if deadline is None else deadline - time.monotonic()
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout)
+            except TimeoutError:
+                yield [(-1, None)]  # deadline: the caller ends the open choices
+                return
+            ready: Ready = []
+            while True:  # and whatever else came meanwhile (the writer fell behind)
+                if item[1] is None:
+                    pending -= 1
+                else:
+                    ready.append(item)
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+            if ready:
+                yield ready
+    finally:
+        for task in tasks:
+            task.cancel()
+        for gen in streams:
+            gen.cancel()
+        for box in boxes:
+            channels.release(box.request_id)

@@ -1,5 +1,10 @@
 """The OpenAI stream writer: engine outputs in, SSE frames out, in the promised order
-(`serve_app.openai.streaming`), plus the end-of-request metrics both response modes record."""
+(`serve_app.openai.streaming`), plus the end-of-request metrics both response modes record.
+
+Outputs are read as what is ready at each pull (`Ready`): while the writer keeps up that is
+one engine output, so one token per event; when it fell behind, a choice's pending deltas
+leave as one event (seed 000: fragmentation changes chunking, never meaning). Nothing waits
+to gather more."""
 
 from __future__ import annotations
 
@@ -12,15 +17,25 @@ from dataclasses import dataclass
 from actors.outputs import CompletionDelta, RequestOutput
 from serve_app import errors
 from serve_app.access.budgets import record_usage
-from serve_app.metrics import record_latency, record_outcome, record_tokens
+from serve_app.metrics import (
+    record_latency,
+    record_outcome,
+    record_tokens,
+    record_tokens_per_chunk,
+)
 from serve_app.openai.admission import AdmittedRequest
 from serve_app.openai.format import ChoiceState, Formatter
 from serve_app.openai.streaming import StreamState
+from serve_app.parsers.chat_output import OutputEvent, ReasoningDelta
+from serve_app.parsers.tools import ContentDelta, ToolCallArgsDelta
 from serve_app.protocol import Usage
 
 logger = logging.getLogger(__name__)
 
-Merged = AsyncIterator[tuple[int, RequestOutput | None]]
+# Every (prompt index, output) the merged engine streams had ready at one pull, in arrival
+# order; `(-1, None)` alone is the deadline.
+Ready = list[tuple[int, RequestOutput | None]]
+Merged = AsyncIterator[Ready]
 
 
 def observe_end(job: AdmittedRequest, choices: list[ChoiceState], usage: Usage) -> None:
@@ -48,25 +63,56 @@ def record_cancel(job: AdmittedRequest) -> None:
     logger.info("request cancelled: endpoint=%s client disconnected", job.endpoint)
 
 
-def delta_chunks(
-    fmt: Formatter, choice: ChoiceState, delta: CompletionDelta, echo_len: int
+def delta_choices(
+    fmt: Formatter, choice: ChoiceState, deltas: list[CompletionDelta], echo_len: int
 ) -> list[dict]:
-    """The chunks one engine delta becomes: chat reads it through the choice's parsers
-    (reasoning, tool calls; text may be held back until decided); completions pass it on."""
-    offset = echo_len + len(choice.text)
-    events = choice.add(delta)
-    logprobs = delta.logprobs if fmt.want_logprobs else None
+    """The chunk choices a choice's ready engine deltas become: chat reads each through the
+    choice's parsers (reasoning, tool calls; text may be held back until decided) and sends
+    one chunk per run of like events; completions send one chunk for them all."""
+    events: list[OutputEvent] = []
+    logprobs: list[tuple[CompletionDelta, int]] = []  # each delta's, with its text offset
+    for delta in deltas:
+        offset = echo_len + len(choice.text)
+        events += choice.add(delta)
+        if fmt.want_logprobs and delta.logprobs:
+            logprobs.append((delta, offset))
+    token_ids = [t for delta in deltas for t in delta.token_ids]
+    wire_logprobs = fmt.stream_logprobs(logprobs)
     if fmt.chat:
-        return fmt.event_chunks(choice.index, events, delta.token_ids, logprobs)
-    if delta.text or logprobs or (fmt.want_token_ids and delta.token_ids):
-        return [fmt.content_chunk(choice.index, delta.text, delta.token_ids, logprobs, offset)]
+        return fmt.event_choices(choice.index, coalesced(events), token_ids, wire_logprobs)
+    text = "".join(delta.text for delta in deltas)
+    if text or wire_logprobs or (fmt.want_token_ids and token_ids):
+        return [fmt.text_choice(choice.index, text, token_ids, wire_logprobs)]
     return []
 
 
+def coalesced(events: list[OutputEvent]) -> list[OutputEvent]:
+    """Adjacent events of one kind joined: content with content, reasoning with reasoning,
+    a call's argument fragments with its next ones. A call's start stays its own event."""
+    out: list[OutputEvent] = []
+    for event in events:
+        last = out[-1] if out else None
+        if isinstance(event, ContentDelta) and isinstance(last, ContentDelta):
+            out[-1] = ContentDelta(last.text + event.text)
+        elif isinstance(event, ReasoningDelta) and isinstance(last, ReasoningDelta):
+            out[-1] = ReasoningDelta(last.text + event.text)
+        elif (
+            isinstance(event, ToolCallArgsDelta)
+            and isinstance(last, ToolCallArgsDelta)
+            and last.index == event.index
+        ):
+            out[-1] = ToolCallArgsDelta(event.index, last.fragment + event.fragment)
+        else:
+            out.append(event)
+    return out
+
+
 @dataclass
-class Delta:
+class Deltas:
+    """One choice's engine deltas from one pull, in order."""
+
     choice: ChoiceState
-    delta: CompletionDelta
+    deltas: list[CompletionDelta]
 
 
 @dataclass
@@ -81,6 +127,32 @@ class DeadlineReached:
 class EngineFailed(Exception):
     """An engine output carried an error after the first output (headers may be out)."""
 
+    def __init__(self, out: RequestOutput) -> None:
+        super().__init__(out.error)
+        self.message = out.error or "the engine failed"
+        self.code = out.error_code
+
+
+def engine_error(
+    code: str | None, message: str, job: AdmittedRequest, *, retryable: bool
+) -> errors.APIError:
+    """The API error an engine output's error stands for, by its code (the error table's
+    class: a grammar's own is the client's 400, a lost engine is `engine_lost`)."""
+    param = job.req.grammar_param()
+    if code == "invalid_grammar":
+        return errors.invalid_grammar(message, param)
+    if code == "overloaded":  # the grammar compilers are saturated
+        return errors.overloaded(message, 1.0)
+    if code == "request_limit_exceeded":
+        return errors.APIError(400, code, f"Invalid grammar: {message}", param=param)
+    if code == "deadline_too_short":
+        return errors.deadline_too_short(message)
+    if code == "deadline_unmeetable":
+        return errors.deadline_unmeetable(message, retry_after_s=1.0)
+    if code == "engine_lost":
+        return errors.engine_lost(f"The engine failed: {message}", retryable=retryable)
+    return errors.internal_error(f"The engine failed: {message}", retryable=retryable)
+
 
 class RequestOutputs:
     """One request's outputs, read from its merged engine streams: the one loop both response
@@ -91,19 +163,33 @@ class RequestOutputs:
         self.choices = job.new_choices()
         self.cached = [0] * len(job.engine_requests)
 
-    async def events(self, merged: Merged) -> AsyncIterator[Delta | DeadlineReached]:
+    async def events(self, merged: Merged) -> AsyncIterator[Deltas | DeadlineReached]:
+        """Per pull, each choice's ready deltas as one event (in the order the choices
+        first appear), then what ended the request, if it ended."""
         n = self.job.n
-        async for i, out in merged:
-            if out is None:  # the deadline: every open choice ends as `timeout`
-                for c in self.choices:
-                    if c.finish_reason is None:
-                        yield DeadlineReached(c, c.finish("timeout"))
-                return
-            if out.error is not None:
-                raise EngineFailed(out.error)
-            self.cached[i] = out.num_cached_tokens
-            for d in out.deltas:
-                yield Delta(self.choices[i * n + d.index], d)
+        async for ready in merged:
+            pending: dict[int, Deltas] = {}
+            for i, out in ready:
+                if out is None:  # the deadline: every open choice ends as `timeout`
+                    for event in pending.values():
+                        yield event
+                    for c in self.choices:
+                        if c.finish_reason is None:
+                            yield DeadlineReached(c, c.finish("timeout"))
+                    return
+                if out.error is not None:
+                    for event in pending.values():
+                        yield event
+                    raise EngineFailed(out)
+                self.cached[i] = out.num_cached_tokens
+                for d in out.deltas:
+                    slot = i * n + d.index
+                    if slot in pending:
+                        pending[slot].deltas.append(d)
+                    else:
+                        pending[slot] = Deltas(self.choices[slot], [d])
+            for event in pending.values():
+                yield event
 
     def usage(self) -> Usage:
         return self.job.usage(self.choices, self.cached)
@@ -133,26 +219,28 @@ async def stream_sse(merged: Merged, job: AdmittedRequest) -> AsyncIterator[byte
             async for event in outputs.events(merged):
                 c = event.choice
                 if isinstance(event, DeadlineReached):
-                    for chunk in fmt.event_chunks(c.index, event.held, [], None):
-                        yield state.frame_chunk(chunk)
+                    for choice in fmt.event_choices(c.index, coalesced(event.held), [], None):
+                        yield state.frame_choice(fmt.frames, choice)
                     yield state.frame_chunk(fmt.finish_chunk(c))
                     continue
-                chunks = delta_chunks(fmt, c, event.delta, len(echo[c.index]))
-                if chunks:
+                wire = delta_choices(fmt, c, event.deltas, len(echo[c.index]))
+                if wire:
                     if first_chunk is None:
                         first_chunk = time.monotonic()
                         record_latency("ttft", first_chunk - job.started, job.endpoint)
                     num_chunks += 1
-                for chunk in chunks:
-                    yield state.frame_chunk(chunk)
+                for choice in wire:
+                    yield state.frame_choice(fmt.frames, choice)
                 if c.finish_reason is not None:
                     yield state.frame_chunk(fmt.finish_chunk(c))
         except EngineFailed as exc:
-            yield state.frame_error(errors.internal_error(f"The engine failed: {exc}"))
+            yield state.frame_error(engine_error(exc.code, exc.message, job, retryable=False))
             yield state.frame_done()
             return
         usage = outputs.usage()
         observe_end(job, choices, usage)
+        if num_chunks:
+            record_tokens_per_chunk(job.endpoint, usage.completion_tokens / num_chunks)
         if first_chunk is not None and num_chunks > 1:
             # One observation per request (its mean gap): a metric call per token costs
             # the shared ingress more than it tells.
@@ -179,10 +267,11 @@ async def collect_body(merged: Merged, job: AdmittedRequest) -> dict:
     outputs = RequestOutputs(job)
     try:
         async for event in outputs.events(merged):
-            if isinstance(event, Delta):
-                event.choice.add(event.delta)
+            if isinstance(event, Deltas):
+                for delta in event.deltas:
+                    event.choice.add(delta)
     except EngineFailed as exc:
-        raise errors.internal_error(f"The engine failed: {exc}", retryable=False) from None
+        raise engine_error(exc.code, exc.message, job, retryable=False) from None
     except asyncio.CancelledError:
         outputs.settle_cancelled()
         raise

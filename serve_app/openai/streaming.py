@@ -11,9 +11,10 @@ Completions streams have no role delta (`role_first=False`).
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping
 from typing import Any, Protocol
+
+import orjson
 
 DONE = b"data: [DONE]\n\n"
 
@@ -24,11 +25,35 @@ class _Dumpable(Protocol):
 
 def sse(data: Mapping[str, Any] | str) -> bytes:
     """One SSE event; a str is taken as already-serialized JSON."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    if not isinstance(data, str):
+        # orjson writes compact JSON that never holds a raw newline (it escapes them).
+        return b"data: " + orjson.dumps(data) + b"\n\n"
     # NOTE: a raw newline would end the event early and the rest would be a second, bogus one.
-    if "\n" in text or "\r" in text:
+    if "\n" in data or "\r" in data:
         raise ValueError("an SSE data line cannot contain a newline")
-    return f"data: {text}\n\n".encode()
+    return f"data: {data}\n\n".encode()
+
+
+class ChunkFrames:
+    """One stream's chunk envelope (id, object, created, model, fingerprint) serialized once:
+    a one-choice chunk is framed as the envelope's bytes around its choice's JSON, so the
+    per-token path serializes only what changes."""
+
+    _CHOICES = b'"choices":[]'
+
+    def __init__(self, envelope: Mapping[str, Any]) -> None:
+        if envelope.get("choices") != [] or envelope.get("usage") is not None:
+            raise ValueError("an envelope is a chunk with `choices: []` and no usage")
+        # NOTE: the key's quotes are unescaped only in the key itself (a string value's
+        # quotes are escaped), so the split is unambiguous.
+        head, sep, tail = orjson.dumps(envelope).partition(self._CHOICES)
+        if not sep or self._CHOICES in tail:
+            raise ValueError("the envelope's `choices` key was not found once")
+        self._head = b"data: " + head + b'"choices":['
+        self._tail = b"]" + tail + b"\n\n"
+
+    def frame(self, choice: Mapping[str, Any]) -> bytes:
+        return self._head + orjson.dumps(choice) + self._tail
 
 
 class StreamOrderError(AssertionError):
@@ -145,15 +170,24 @@ class StreamState:
             raise StreamOrderError("usage belongs in its own chunk with `choices: []`")
         self._require_open("chunk")
         for choice in choices:
-            index = choice["index"]
-            delta = choice.get("delta")
-            if delta is not None and delta.get("role") is not None:
-                self.role(index)
-            if _has_content(choice, delta):
-                self.content(index)
-            if choice.get("finish_reason") is not None:
-                self.finish(index)
+            self._check_choice(choice)
         return sse(data)
+
+    def frame_choice(self, frames: ChunkFrames, choice: Mapping[str, Any]) -> bytes:
+        """A one-choice chunk of this stream's envelope: checked as `frame_chunk` checks it."""
+        self._require_open("chunk")
+        self._check_choice(choice)
+        return frames.frame(choice)
+
+    def _check_choice(self, choice: Mapping[str, Any]) -> None:
+        index = choice["index"]
+        delta = choice.get("delta")
+        if delta is not None and delta.get("role") is not None:
+            self.role(index)
+        if _has_content(choice, delta):
+            self.content(index)
+        if choice.get("finish_reason") is not None:
+            self.finish(index)
 
     def frame_error(self, error: Mapping[str, Any] | Any) -> bytes:
         """An APIError (anything with `.body()`) or an `{"error": {...}}` body."""

@@ -293,7 +293,7 @@ def test_killed_rank_fails_its_streams_the_other_replica_serves_and_serve_replac
     for r in results:
         assert r["events"][-1] == "[DONE]"
         if r["ending"] == "error":
-            assert r["events"][-2]["error"]["code"] == "internal_error"
+            assert r["events"][-2]["error"]["code"] == "engine_lost"
             assert r["events"][-2]["error"]["type"] == "server_error"
         else:  # the survivor's streams ran to the end, usage included
             assert r["events"][-2]["usage"]["completion_tokens"] == STREAM_TOKENS

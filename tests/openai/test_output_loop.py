@@ -38,8 +38,9 @@ def out(*deltas: CompletionDelta, error: str | None = None) -> RequestOutput:
 
 
 async def merged(items):
+    """One output per pull (a writer that keeps up); the deadline as the engine loop sends it."""
     for item in items:
-        yield 0, item
+        yield [(-1, None)] if item is None else [(0, item)]
 
 
 OUTPUTS = [
@@ -86,3 +87,20 @@ def test_an_engine_failure_is_an_error_frame_once_streaming_and_a_500_before():
     with pytest.raises(errors.APIError) as info:
         asyncio.run(collect_body(merged(failing), job()))
     assert info.value.status == 500 and "worker lost" in info.value.message
+
+
+def test_a_lost_engine_is_named_in_the_error_frame_and_the_500():
+    """The engine's own error code reaches the client, stream or not (the error table's
+    internal class: `engine_lost`, a server_error the client should not repeat)."""
+    lost = out(error="the engine replica was lost")
+    lost.error_code = "engine_lost"
+    failing = [out(CompletionDelta(0, [5], "Hel")), lost]
+    frames = run_stream(failing)
+    assert frames[-1] == "[DONE]"
+    assert frames[-2]["error"]["code"] == "engine_lost"
+    assert frames[-2]["error"]["type"] == "server_error"
+    assert "the engine replica was lost" in frames[-2]["error"]["message"]
+    with pytest.raises(errors.APIError) as info:
+        asyncio.run(collect_body(merged(failing), job()))
+    assert (info.value.status, info.value.code) == (500, "engine_lost")
+    assert info.value.headers["x-should-retry"] == "false"

@@ -112,7 +112,9 @@ def test_error_after_headers_then_done(after_role: bool) -> None:
 
 
 def test_sse_framing() -> None:
-    assert sse({"a": "é"}) == b'data: {"a":"\\u00e9"}\n\n'
+    # UTF-8 on the wire (SSE is UTF-8); a newline inside a value is escaped, never raw.
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert sse({"a": "x\ny"}) == b'data: {"a":"x\\ny"}\n\n'
     assert sse('{"x":1}') == b'data: {"x":1}\n\n'
     with pytest.raises(ValueError):
         sse('{"x":\n1}')

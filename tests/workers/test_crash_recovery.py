@@ -139,11 +139,11 @@ def test_a_dead_engine_replica_ends_open_requests_and_is_replaced(crash_url, ray
         assert frames[0] == 200
         assert frames[-1] == "[DONE]"
         error = json.loads(frames[-2])
-        assert error["error"]["type"] and error["error"]["code"] == "internal_error"
+        assert error["error"]["type"] == "server_error" and error["error"]["code"] == "engine_lost"
         # Nothing after the error frame but [DONE]; the text before it was never restarted.
         assert all("error" not in json.loads(f) for f in frames[1:-2])
     r = unary["r"]
-    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_lost"
     assert r.headers["x-should-retry"] == "false"
 
     assert serves_again(crash_url)["usage"]["completion_tokens"] == 3
