@@ -33,10 +33,10 @@ from actors.platform import (
     persistent_decode_gather,
 )
 from actors.prompt_logprobs import compute_prompt_logprobs
-from actors.sampler import NO_TOKEN, Sampler, SeqSamplingState, token_logprobs
+from actors.sampler import Sampler, SeqSamplingState
 from actors.spec_decode.config import SpeculativeConfig
-from actors.spec_decode.draft import Draft, DraftRequest, DraftRunner, stream_generator
-from actors.spec_decode.verify import accept_draft, accept_sampled
+from actors.spec_decode.draft import DraftRequest, DraftRunner
+from actors.spec_decode.verify import Verifier
 
 # A decode bucket closes when the next (shorter) context would pad it by more than this.
 _BUCKET_MIN_FILL = 0.75
@@ -101,7 +101,9 @@ class ModelRunner:
         self.gather_counts = {"buckets": 0, "kept": 0}
         # The grammar masks every sample reads (`register_vocab_mask_buffer`).
         self.mask_buffer = VocabMaskBuffer(model_config.vocab_size, device)
-        # A model proposer's draft runner, and (rank 0) each sequence's draft until verified.
+        # Samples steps that verify drafts, and keeps a model's drafts (rank 0) until then.
+        self.verifier = Verifier(self.sampler)
+        # A model proposer's draft runner.
         self.draft: DraftRunner | None = None
         if speculative_config is not None and speculative_config.uses_model:
             self.draft = DraftRunner(
@@ -113,7 +115,6 @@ class ModelRunner:
                 ModelRunner,
                 seed,
             )
-        self.drafts: dict[str, Draft] = {}
 
     def register_vocab_mask_buffer(self, num_rows: int) -> tuple[int, ...]:
         """Allocate the step's grammar-mask buffer once (rows: every sampled position a step
@@ -158,14 +159,13 @@ class ModelRunner:
     # ---------------------------------------------------------------- speculation
     def propose(self, requests: list[DraftRequest]) -> list[list[int]] | None:
         """The model proposer's drafts (every rank drafts alike; rank 0 returns them and
-        keeps each one's distribution for `sample`)."""
+        hands them to the verifier, which keeps a sampled request's q)."""
         if self.draft is None:
             raise RuntimeError("propose() on an engine without a model proposer")
         drafts = self.draft.propose(requests, self.states)
         if not self.is_driver:
             return None
-        for r, d in zip(requests, drafts, strict=True):
-            self.drafts[r.seq_id] = d
+        self.verifier.keep([r.seq_id for r in requests], drafts)
         return [d.token_ids for d in drafts]
 
     @torch.inference_mode()
@@ -187,7 +187,7 @@ class ModelRunner:
         arrive in between: they fill while this runs)."""
         for seq_id in step.finished_seq_ids:
             self.states.pop(seq_id, None)
-            self.drafts.pop(seq_id, None)
+            self.verifier.forget(seq_id)
             if self.draft is not None:
                 self.draft.forget(seq_id)
         for new in step.new_seqs:
@@ -213,9 +213,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, masks: GrammarMasks | None = None) -> StepOutput | None:
         """Draw the tokens of the step `forward` ran (rank 0 only; other ranks return None).
-        An item verifying a draft samples each of its positions as ordinary decode would have
-        (same penalties, bans and grammar row for the tokens before it) and commits what
-        greedy verification accepts."""
+        A step with drafts to verify goes to the verifier."""
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("sample() without a forward() before it")
@@ -224,126 +222,18 @@ class ModelRunner:
         if pending.logits is None:
             return StepOutput(sampled_token_ids=[])
         sampled = [item for item in pending.step.items if item.sample]
-        states: list[SeqSamplingState] = []
-        for item in sampled:
-            state = self.states[item.seq_id]
-            if not item.num_draft:
-                states.append(state)
-                continue
-            draft = item.token_ids[-item.num_draft :]
-            for j in range(item.num_draft + 1):
-                seen = state.output_token_ids + draft[:j]
-                states.append(
-                    SeqSamplingState(state.params, state.prompt_token_ids, seen, state.seed)
-                )
         bitmask, rows = None, None
         if masks is not None:
             bitmask, rows = self.mask_buffer.load(masks.bitmask), masks.rows
-        # Sampled requests' model drafts verify against the draft's distribution; their
-        # target distributions are taken before the sampler below writes into the logits.
-        against_q = self._target_distributions(sampled, states, pending.logits, bitmask, rows)
         # The logits are this step's own: the sampler may write into them.
-        tokens, logprobs = self.sampler(pending.logits, states, bitmask, rows, writable=True)
-        if len(states) == len(sampled):
-            return StepOutput(tokens, logprobs, prompt_logprobs=pending.prompt_logprobs)
-        out = StepOutput(
-            [], [] if logprobs is not None else None, prompt_logprobs=pending.prompt_logprobs
-        )
-        row = 0
-        for j, item in enumerate(sampled):
-            width = 1 + item.num_draft
-            kept = tokens[row : row + width]
-            kept_logprobs = logprobs[row : row + width] if logprobs is not None else None
-            if item.num_draft:
-                state = self.states[item.seq_id]
-                draft = item.token_ids[-item.num_draft :]
-                if j in against_q:
-                    kept, kept_logprobs = self._verify_sampled(
-                        state, draft, kept, kept_logprobs, *against_q[j]
-                    )
-                else:
-                    kept = accept_draft(draft, kept)
-                state.output_token_ids.extend(t for t in kept if t != NO_TOKEN)
-            out.sampled_token_ids.append(kept[0])
-            if len(kept) > 1:
-                out.more_token_ids[j] = kept[1:]
-            if kept_logprobs is not None:
-                out.logprobs.append(kept_logprobs[0])  # type: ignore[union-attr]
-                if len(kept) > 1:
-                    out.more_logprobs[j] = kept_logprobs[1 : len(kept)]
-            row += width
+        if any(item.num_draft for item in sampled):
+            out = self.verifier.sample(sampled, self.states, pending.logits, bitmask, rows)
+        else:
+            states = [self.states[item.seq_id] for item in sampled]
+            tokens, logprobs = self.sampler(pending.logits, states, bitmask, rows, writable=True)
+            out = StepOutput(tokens, logprobs)
+        out.prompt_logprobs = pending.prompt_logprobs
         return out
-
-    def _target_distributions(
-        self,
-        sampled: list[ScheduledItem],
-        states: list[SeqSamplingState],
-        logits: torch.Tensor,
-        bitmask: torch.Tensor | None,
-        mask_rows: list[int] | None,
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """For each sampled item verifying a model's draft of a sampled request: (the draft's
-        q rows, the target's p rows, the raw logprob rows or None) at its drafted positions."""
-        picked: list[tuple[int, Draft, int]] = []
-        row = 0
-        for j, item in enumerate(sampled):
-            if item.num_draft:
-                kept = self.drafts.pop(item.seq_id, None)
-                draft = item.token_ids[-item.num_draft :]
-                if kept is not None and kept.probs is not None:
-                    # The scheduler may have cut the draft, never changed it.
-                    assert kept.token_ids[: item.num_draft] == draft
-                    picked.append((j, kept, row))
-            row += 1 + item.num_draft
-        if not picked:
-            return {}
-        index = [r + t for j, _, r in picked for t in range(sampled[j].num_draft)]
-        sub_mask, sub_rows = None, None
-        if bitmask is not None and mask_rows:
-            masked = set(mask_rows)
-            sub_mask = bitmask[index]
-            sub_rows = [i for i, r in enumerate(index) if r in masked]
-        p, raw = self.sampler.distribution(
-            logits[index], [states[i] for i in index], sub_mask, sub_rows
-        )
-        out = {}
-        at = 0
-        for j, kept, _ in picked:
-            n = sampled[j].num_draft
-            out[j] = (kept.probs[:n], p[at : at + n], None if raw is None else raw[at : at + n])
-            at += n
-        return out
-
-    def _verify_sampled(
-        self,
-        state: SeqSamplingState,
-        draft: list[int],
-        race_tokens: list[int],
-        race_logprobs: list | None,
-        q: torch.Tensor,
-        p: torch.Tensor,
-        raw: torch.Tensor | None,
-    ) -> tuple[list[int], list | None]:
-        """`accept_sampled` at the sequence's next positions, with each committed token's
-        logprobs (from its own row; the bonus token's are the sampler's)."""
-        start = len(state.output_token_ids)
-
-        def generator_for(stream: int, i: int) -> torch.Generator:
-            if state.seed is None:
-                return self.sampler.generator
-            return stream_generator(state.seed, stream, start + i)
-
-        kept = accept_sampled(draft, q, p, race_tokens, generator_for)
-        if race_logprobs is None:
-            return kept, None
-        top = state.params.logprobs
-        lps = [
-            token_logprobs(raw[i], t, top) if raw is not None and t != NO_TOKEN else None
-            for i, t in enumerate(kept[: len(draft)])
-        ]
-        if len(kept) > len(draft):
-            lps.append(race_logprobs[len(draft)])
-        return kept, lps
 
     def _prepare(self, items: list[ScheduledItem], previous: list[tuple | None] | None = None):
         """Flatten the step: prefill chunks first, then decode rows (single tokens, and where

@@ -3,8 +3,8 @@ forward, and acceptance that commits only what the target model itself would hav
 
 `SpeculativeConfig` names the method (vLLM's spelling); `make_proposer` builds it. The engine
 core asks the proposer for each eligible decode sequence's draft before scheduling, the
-scheduler gives the sequence `1 + len(draft)` positions of the step, and the runner returns the
-tokens the verification commits (`accept_draft`).
+scheduler gives the sequence `1 + len(draft)` positions of the step, and the runner's `Verifier`
+returns the tokens the verification commits (`accept_draft`, `accept_sampled`).
 """
 
 from actors.spec_decode.backoff import Backoff

@@ -16,7 +16,7 @@ target's cache (never recomputed), and each round feeds only the last committed 
 Greedy requests draft the draft model's argmax. Sampled ones draw from the draft's own
 distribution q (the request's temperature and top-k/top-p/min-p over the draft's logits) and
 keep q for verification, which accepts a drafted token d with probability min(1, p(d)/q(d))
-and otherwise draws from the residual max(0, p - q) (`ModelRunner.sample`). Seeded requests
+and otherwise draws from the residual max(0, p - q) (`Verifier`, verify.py). Seeded requests
 draw every one of those from streams of (seed, output position), so a seed repeats its tokens.
 Every rank draws the same drafts (their logits are all-gathered and their generators are
 seeded alike), so every rank feeds the same tokens.

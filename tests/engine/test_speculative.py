@@ -201,9 +201,9 @@ def test_sampled_distribution_is_unchanged_by_speculation(tiny, unspeculated, mo
     for a, b in zip(on, off, strict=True):
         assert not chi_square_p_below_001(a, b)
     # The same test catches a rule that commits the draft's first token unconditionally.
-    import actors.model_runner
+    import actors.spec_decode.verify
 
-    monkeypatch.setattr(actors.model_runner, "accept_draft", biased_acceptance)
+    monkeypatch.setattr(actors.spec_decode.verify, "accept_draft", biased_acceptance)
     biased, _ = sample_positions(tiny, num // 4, spec, FixedProposer(draft), seed=1)
     assert chi_square_p_below_001(biased[0], off[0])
 
