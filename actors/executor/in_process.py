@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TypeVar
 
 from actors.config import CacheConfig, ModelConfig
 from actors.executor.base import Executor, ExecutorError, wait_for_masks
 from actors.messages import GrammarMasks, StepInput, StepOutput
 from actors.spec_decode.config import SpeculativeConfig
 from actors.spec_decode.draft import DraftRequest
+
+T = TypeVar("T")
 
 
 class InProcessExecutor(Executor):
@@ -38,26 +42,30 @@ class InProcessExecutor(Executor):
         return self.worker.register_vocab_mask_buffer(num_rows)
 
     def execute(self, step: StepInput, masks: Future[GrammarMasks] | None = None) -> StepOutput:
-        try:
+        def step_once() -> StepOutput | None:
             try:
                 self.worker.forward(step)
             finally:
                 filled = wait_for_masks(masks)
-            out = self.worker.sample(filled)
-        except Exception as exc:
-            self._healthy = False
-            raise ExecutorError(f"step failed: {exc}") from exc
+            return self.worker.sample(filled)
+
+        out = self._guarded("step", step_once)
         assert out is not None
         return out
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
-        try:
-            drafts = self.worker.propose(requests)
-        except Exception as exc:
-            self._healthy = False
-            raise ExecutorError(f"drafting failed: {exc}") from exc
+        drafts = self._guarded("drafting", lambda: self.worker.propose(requests))
         assert drafts is not None
         return drafts
+
+    def _guarded(self, what: str, call: Callable[[], T]) -> T:
+        """`call()`; a failure marks the executor unhealthy (the rank's state is unknown
+        after it) and raises ExecutorError."""
+        try:
+            return call()
+        except Exception as exc:
+            self._healthy = False
+            raise ExecutorError(f"{what} failed: {exc}") from exc
 
     def is_healthy(self) -> bool:
         return self._healthy
