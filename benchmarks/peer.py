@@ -106,6 +106,7 @@ def start_ours(
         "placement_timeout_s": 600,
         "dtype": dtype,
         "max_queue_s": None,
+        "kv_cache_bytes": vllm_peer.KV_CACHE_GIB * 1024**3,  # as much as vLLM is given
     }
     config.write_text(json.dumps({"model": path, "engine": engine}))
     port = free_port()
@@ -383,6 +384,9 @@ def main() -> None:
         "threads_means": "ours: engine.replica_cpus (torch threads of the step); vLLM: "
         "VLLM_CPU_OMP_THREADS_BIND on cores 0.. (its API server on the others); "
         "transformers: OMP_NUM_THREADS",
+        "kv_cache_gib": vllm_peer.KV_CACHE_GIB,
+        "kv_cache_means": "both sides: ours engine.kv_cache_bytes (served) and "
+        "LLM(kv_cache_bytes=...) (offline); vLLM VLLM_CPU_KVCACHE_SPACE",
         "peer": args.peer,
         "peer_label": label,
         "json_schema": args.json_schema,
