@@ -290,6 +290,11 @@ def main() -> None:
         action="store_true",
         help="only the serving path's figures (HTTP vs direct, CPU per token, TTFT overhead)",
     )
+    parser.add_argument(
+        "--constrained-only",
+        action="store_true",
+        help="only JSON-schema vs unconstrained streams at 16 (--runs interleaved pairs)",
+    )
     args = parser.parse_args()
     from serve_app.config.options import ServeConfig
     from serve_app.server import start, stop
@@ -317,55 +322,77 @@ def main() -> None:
     try:
         model = config.model_id
         asyncio.run(http_level(url, model, reqs[:4], 4))  # warm-up
-        overhead = ttft_overhead(url, f"http://127.0.0.1:{admin_port}", model)
-        compared = http_vs_direct(url, model, path, args)
-        result.update(
-            {
-                "serving_cpu_ms_per_token": compared[64]["serving_cpu_ms_per_token"],
-                "serving_cpu_target_ms": SERVING_CPU_TARGET_MS,
-                "serving_cpu_breakdown_at_64": compared[64]["cpu_ms_per_token_by_role"],
-                "serving_ttft_overhead_ms": overhead["p50_ms"],
-                "serving_ttft_overhead": overhead,
-                "http_vs_direct_at_16": compared[16],
-                "http_vs_direct_at_64": compared[64],
-            }
-        )
-        if not args.path_only:
-            result["sweep"] = [
-                asyncio.run(http_level(url, model, reqs[: max(2 * c, 8)], c)) for c in levels
-            ]
+        if args.constrained_only:
             result["constrained_vs_unconstrained_at_16"] = constrained_comparison(url, model, args)
-            result["grammar_compile"] = grammar_compile_times(url, model)
+        else:
+            admin_url = f"http://127.0.0.1:{admin_port}"
+            measure_path_and_sweep(result, url, admin_url, model, path, levels, reqs, args)
     finally:
         stop()
-    if not args.path_only:
+    everything = not (args.path_only or args.constrained_only)
+    if everything:
         result["grammar_compile"].update(grammar_service_compile_times(path))
     write_json(result, args.out)
-    if args.out and not args.path_only:
+    if args.out and everything:
         plot(result, os.path.splitext(args.out)[0] + ".png")
 
 
+def measure_path_and_sweep(
+    result: dict, url: str, admin_url: str, model: str, path: str, levels, reqs, args
+) -> None:
+    """The serving path's figures, then (unless --path-only) the sweep, constrained decode and
+    compile times, into `result`."""
+    overhead = ttft_overhead(url, admin_url, model)
+    compared = http_vs_direct(url, model, path, args)
+    result.update(
+        {
+            "serving_cpu_ms_per_token": compared[64]["serving_cpu_ms_per_token"],
+            "serving_cpu_target_ms": SERVING_CPU_TARGET_MS,
+            "serving_cpu_breakdown_at_64": compared[64]["cpu_ms_per_token_by_role"],
+            "serving_ttft_overhead_ms": overhead["p50_ms"],
+            "serving_ttft_overhead": overhead,
+            "http_vs_direct_at_16": compared[16],
+            "http_vs_direct_at_64": compared[64],
+        }
+    )
+    if not args.path_only:
+        result["sweep"] = [
+            asyncio.run(http_level(url, model, reqs[: max(2 * c, 8)], c)) for c in levels
+        ]
+        result["constrained_vs_unconstrained_at_16"] = constrained_comparison(url, model, args)
+        result["grammar_compile"] = grammar_compile_times(url, model)
+
+
 def constrained_comparison(url: str, model: str, args: argparse.Namespace) -> dict:
-    """JSON-schema vs unconstrained streams at 16, each on prompts of its own. The decode
-    schema (production-shaped: nested objects, enums, arrays) cannot close within max_tokens,
-    so both sides stream the same number of tokens per request."""
-    plain = mixed_requests(32, 2048, (64, 256), (args.max_tokens,) * 2, seed=16)
-    plain16 = asyncio.run(http_level(url, model, plain, 16))
+    """JSON-schema vs unconstrained streams at 16: `args.runs` interleaved pairs, each level on
+    prompts of its own, every run recorded; the ratio is of the medians. The decode schema
+    (production-shaped: nested objects, enums, arrays) cannot close within max_tokens, so both
+    sides stream the same number of tokens per request."""
     schema_extra = {
         "response_format": {
             "type": "json_schema",
             "json_schema": {"name": "s", "schema": DECODE_SCHEMA},
         },
     }
-    fresh = mixed_requests(32, 2048, (64, 256), (args.max_tokens,) * 2, seed=17)
-    constrained16 = asyncio.run(http_level(url, model, fresh, 16, schema_extra))
+    runs: dict[str, list[dict]] = {"unconstrained": [], "json_schema": []}
+    for i in range(args.runs):
+        for j, (side, extra) in enumerate((("unconstrained", {}), ("json_schema", schema_extra))):
+            fresh = mixed_requests(32, 2048, (64, 256), (args.max_tokens,) * 2, seed=16 + 2 * i + j)
+            runs[side].append(asyncio.run(http_level(url, model, fresh, 16, extra)))
+
+    def median(side: str, key: str, sub: str | None = None) -> float:
+        return statistics.median(r[key][sub] if sub else r[key] for r in runs[side])
+
+    plain = median("unconstrained", "itl_ms", "p50")
+    constrained = median("json_schema", "itl_ms", "p50")
     return {
-        "unconstrained_itl_p50_ms": plain16["itl_ms"]["p50"],
-        "json_schema_itl_p50_ms": constrained16["itl_ms"]["p50"],
-        "unconstrained_tok_s": plain16["output_tok_s"],
-        "json_schema_tok_s": constrained16["output_tok_s"],
-        "ratio": plain16["itl_ms"]["p50"] / constrained16["itl_ms"]["p50"],
+        "unconstrained_itl_p50_ms": plain,
+        "json_schema_itl_p50_ms": constrained,
+        "unconstrained_tok_s": median("unconstrained", "output_tok_s"),
+        "json_schema_tok_s": median("json_schema", "output_tok_s"),
+        "ratio": plain / constrained,
         "target_ratio": JSON_DECODE_TARGET,
+        "runs": runs,
     }
 
 
