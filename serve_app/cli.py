@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(subparsers)
     _add_batch(subparsers)
     _add_hash_key(subparsers)
+    _add_conformance(subparsers)
     return parser
 
 
@@ -280,6 +281,124 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
         return _fail("hash-key", "no key on standard input (or pass --new)")
     print(hash_key(key))
     return 0
+
+
+# ---------------------------------------------------------------- conformance
+
+EXIT_REGRESSION = 1  # `conformance diff` found a regression (a release gate)
+
+
+def _add_conformance(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "conformance",
+        help="run the semantic conformance suite against a server, or diff two runs",
+        description="The semantic conformance suite as a tool (docs/conformance.md): `run` "
+        "records what a server does case by case; `diff` classifies every difference between "
+        "two records as an intended API change, an allowed numerical variation or a regression.",
+    )
+    commands = parser.add_subparsers(dest="conformance_command", metavar="ACTION", required=True)
+    run = commands.add_parser(
+        "run",
+        help="run the cases against a server over HTTP and write the record",
+        description="Run the conformance cases against an OpenAI-compatible server over HTTP. "
+        "Exit status 0 when the record was written (whatever the verdicts: `diff` is the gate), "
+        "1 when the server could not be reached.",
+    )
+    run.add_argument(
+        "--base-url", required=True, metavar="URL", help="the server (with or without /v1)"
+    )
+    run.add_argument("--api-key", metavar="K", help="a key the server accepts")
+    run.add_argument("--admin-url", metavar="U", help="the admin API (KV baseline, drain)")
+    run.add_argument("--admin-key", metavar="K", help="the admin API's key")
+    run.add_argument(
+        "--limited-key", metavar="K", help="a key with max_concurrent_requests: 1 (429)"
+    )
+    run.add_argument("--model", metavar="M", help="the model id (default: the first listed)")
+    run.add_argument("--out", required=True, metavar="RESULT.json", help="where the record goes")
+    run.add_argument(
+        "--case",
+        action="append",
+        dest="cases",
+        metavar="ID",
+        help="run only this case (repeatable)",
+    )
+    run.add_argument("--fast", action="store_true", help="only the fast subset")
+    run.add_argument("--list", action="store_true", help="list the cases and exit")
+    run.set_defaults(handler=cmd_conformance_run)
+    diff = commands.add_parser(
+        "diff",
+        help="classify every difference between two records; non-zero exit on a regression",
+        description="Match the cases of two records and classify every difference: intended "
+        "API change (declared in the changes file, or text/token/logprob differences a "
+        "served-identity change explains), allowed numerical variation, or regression. Writes "
+        "REPORT.md and REPORT.json; exit status 1 on any regression.",
+    )
+    diff.add_argument("old", metavar="OLD.json")
+    diff.add_argument("new", metavar="NEW.json")
+    diff.add_argument(
+        "--changes",
+        metavar="API_CHANGES.yaml",
+        help="the intended API changes (default: serve_app/conformance/api_changes.yaml)",
+    )
+    diff.add_argument("--out", required=True, metavar="REPORT", help="REPORT.md and REPORT.json")
+    diff.set_defaults(handler=cmd_conformance_diff)
+
+
+def cmd_conformance_run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from serve_app.conformance.cases import select
+    from serve_app.conformance.runner import run_suite
+    from serve_app.conformance.session import Target
+
+    try:
+        cases = select(args.cases, fast=args.fast)
+    except ValueError as exc:
+        return _fail("conformance run", str(exc))
+    if args.list:
+        for spec in cases:
+            print(f"{spec.id:<38} {'fast' if spec.fast else 'slow'}  {spec.title}")
+        return 0
+    target = Target(
+        base_url=args.base_url,
+        api_key=args.api_key,
+        admin_url=args.admin_url,
+        admin_key=args.admin_key,
+        model=args.model,
+        limited_key=args.limited_key,
+    )
+
+    def progress(record) -> None:
+        print(
+            f"{record.verdict:<12} {record.id} ({record.timings['total_s']:.2f}s)", file=sys.stderr
+        )
+
+    try:
+        record = run_suite(target, cases, progress)
+    except (httpx.HTTPError, RuntimeError) as exc:
+        return _fail("conformance run", f"{args.base_url}: {exc}", status=1)
+    record.save(args.out)
+    counts = ", ".join(f"{n} {verdict}" for verdict, n in record.counts().items())
+    print(f"{len(record.cases)} cases: {counts}; record in {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_conformance_diff(args: argparse.Namespace) -> int:
+    from serve_app.conformance.changes import ChangesError, load_changes
+    from serve_app.conformance.diff import diff_records
+    from serve_app.conformance.record import Record
+    from serve_app.conformance.report import write_report
+
+    try:
+        old, new = Record.load(args.old), Record.load(args.new)
+        changes = load_changes(args.changes)
+    except (OSError, ValueError, ChangesError) as exc:
+        return _fail("conformance diff", str(exc))
+    report = diff_records(old, new, changes)
+    md_path, json_path = write_report(report, args.out)
+    print(report.summary_line(), file=sys.stderr)
+    print(f"report in {md_path} and {json_path}", file=sys.stderr)
+    return EXIT_REGRESSION if report.has_regression else 0
 
 
 # ---------------------------------------------------------------- batch

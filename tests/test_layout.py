@@ -56,6 +56,8 @@ LAYERS: list[tuple[str, list[list[str]], bool]] = [
             ["serve_app.checkpoints"],
             ["serve_app.parsers"],
             ["serve_app.store"],
+            # A client of any server over HTTP: it imports nothing of the service.
+            ["serve_app.conformance"],
         ],
         False,
     ),

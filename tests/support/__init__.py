@@ -6,6 +6,7 @@
 - `grammar`: compiling a spec, checking what a compiled grammar admits.
 - `ports`: free loopback ports.
 - `postgres`: databases on the tests' PostgreSQL server.
+- `rewriting_proxy`: a deliberately changed server (a proxy that rewrites answers).
 - `scheduler`: sequences, a scheduler and a simulated engine for the scheduler tests.
 - `side_apps`: a second Serve app beside the session's one.
 """
