@@ -5,10 +5,11 @@ quote spans back, edit a code snippet (the output repeats its prompt: prompt loo
 `chat` — open questions (little to look up: speculation must not cost); and the JSON rewrite
 under its record's JSON schema. Each at batch 1 (requests one at a time) and 16 (16 at once,
 cycling the workload's prompts), after one warm-up pass, per proposer (`ngram`, `self_draft`):
-tokens/s against speculation off, acceptance rate, mean tokens committed per verifying step.
+tokens/s against speculation off, acceptance rate, mean tokens committed per verifying step;
+each side runs `--repeats` times, interleaved, and the median run counts.
 
-    python benchmarks/speculative.py [--model smollm2-135m-instruct] [--k 4] [--draft-layers 8]
-        [--batches 1,16] [--out FILE]
+    python benchmarks/speculative.py [--model smollm2-135m-instruct] [--k 4] [--draft-layers 22]
+        [--batches 1,16] [--repeats 2] [--out FILE]
     python benchmarks/speculative.py --replot FILE.json   # the PNG beside a saved JSON
 """
 
@@ -132,6 +133,17 @@ def run(
     }
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower middle of an even count), without its
+    outputs, and every run's tokens/s beside it."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    middle = ranked[(len(ranked) - 1) // 2]
+    return {
+        **{k: v for k, v in middle.items() if k != "outputs"},
+        "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
+    }
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
@@ -159,10 +171,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--draft-layers", type=int, default=8, help="self_draft's num_draft_layers")
+    parser.add_argument(
+        "--draft-layers", type=int, default=22, help="self_draft's num_draft_layers"
+    )
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs of each side")
     parser.add_argument("--out")
     parser.add_argument("--replot", metavar="JSON", help="only draw the PNG of a saved run")
     args = parser.parse_args()
@@ -205,22 +220,31 @@ def main() -> None:
     cases.append(("copy (JSON schema)", 1, grammar))
     for name, batch, g in cases:
         prompts = encoded["copy"][:1] if g is not None else encoded[name]
-        off = run(model.path, prompts, None, args.max_tokens, batch, g)
+        # Interleaved repeats (off, then each proposer, again): the machine's speed drifts by
+        # tens of percent between minutes, so one run of each side compares two moments.
+        runs: dict[str, list[dict]] = {side: [] for side in ("off", *proposers)}
+        for _ in range(args.repeats):
+            runs["off"].append(run(model.path, prompts, None, args.max_tokens, batch, g))
+            for proposer, spec in proposers.items():
+                runs[proposer].append(run(model.path, prompts, spec, args.max_tokens, batch, g))
+        off = median_run(runs["off"])
         case = {
             "case": f"{name}, batch {batch}",
             "workload": name,
             "batch": batch,
             "constrained": g is not None,
-            "off": {k: v for k, v in off.items() if k != "outputs"},
+            "off": off,
             "speedup": {},
             "identical_outputs": {},
         }
-        for proposer, spec in proposers.items():
-            on = run(model.path, prompts, spec, args.max_tokens, batch, g)
-            case[proposer] = {k: v for k, v in on.items() if k != "outputs"}
+        for proposer in proposers:
+            on = median_run(runs[proposer])
+            case[proposer] = on
             case["speedup"][proposer] = round(on["tokens_per_s"] / off["tokens_per_s"], 3)
             # Greedy verification commits what ordinary decode would: the outputs must agree.
-            case["identical_outputs"][proposer] = on["outputs"] == off["outputs"]
+            case["identical_outputs"][proposer] = all(
+                r["outputs"] == runs["off"][0]["outputs"] for r in runs[proposer] + runs["off"]
+            )
         result["cases"].append(case)
         print(json.dumps({k: case[k] for k in ("case", "speedup", "identical_outputs")}))
     write_json(result, args.out)

@@ -14,7 +14,9 @@ class Backoff:
     acceptance rate over the last `WINDOW` proposed tokens falls below `min_rate`, proposals
     pause for `FIRST_PAUSE` of the sequence's steps; after the pause it proposes again (a
     probe) and is judged afresh, the pause doubling (up to `MAX_PAUSE`) while probes fail and
-    resetting once a window passes."""
+    resetting once a window passes. A judgement needs a full window: the first drafts of a
+    copy (its opening words, before the copied span starts) would otherwise pause it just
+    as prompt lookup begins to pay (copy-heavy work at batch 1: 1.33x -> 1.59x tokens/s)."""
 
     __slots__ = ("min_rate", "window", "fresh", "pause", "paused_for")
 
@@ -35,7 +37,7 @@ class Backoff:
     def record(self, proposed: int, accepted: int) -> None:
         self.window.extend([True] * accepted + [False] * (proposed - accepted))
         self.fresh += proposed
-        if self.fresh < MIN_EVIDENCE:
+        if len(self.window) < WINDOW or self.fresh < MIN_EVIDENCE:
             return
         self.fresh = 0
         if sum(self.window) / len(self.window) >= self.min_rate:
