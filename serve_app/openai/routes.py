@@ -34,7 +34,7 @@ from serve_app.openai.token_text import load_token_texts
 from serve_app.parsers.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.protocol import parse_request
 from serve_app.protocol.parsing import check_token_ids
-from serve_app.workers.output_channel import EngineChannels, Mailbox, Routed, lost_output
+from serve_app.workers.output_channel import EngineChannels, Mailbox, Routed
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,9 @@ async def merged_outputs(
     channels: EngineChannels,
 ) -> Merged:
     """Every prompt's outputs from its stream or channel mailbox, as what is ready at each
-    pull (never waiting for more than the first), ending at the deadline."""
+    pull (never waiting for more than the first), ending at the deadline. A prompt ends only
+    with its last output: an engine call that stops short of it ends the prompt as
+    `engine_lost`, never as a short success and never as a wait for what will not come."""
     queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
 
     def deliver(i: int, out: RequestOutput) -> None:
@@ -207,25 +209,27 @@ async def merged_outputs(
             queue.put_nowait((i, None))
 
     async def pump(i: int, gen, box: Mailbox) -> None:
-        if box.instance is not None:  # channelled: the call yields nothing more...
-            box.attach(lambda out: deliver(i, out))
-            try:
-                async for out in gen:
-                    box.put(out)  # ...unless its channel closed under it
-            except Exception as exc:  # noqa: BLE001 (the replica or its worker died)
+        # The call's outputs go through the mailbox too: it takes nothing after the last.
+        box.attach(lambda out: deliver(i, out))
+        try:
+            async for out in gen:
+                box.put(out)  # channelled: nothing more, unless its channel closed under it
+        except (Exception, asyncio.CancelledError) as exc:
+            if asyncio.current_task().cancelling():
+                raise  # the reader left (the merge is closing): nothing more is wanted
+            # The replica or its worker died, or Serve cancelled the call under its reader
+            # (it cancels a leaving client's handle calls before its writer hears of it,
+            # and raises CancelledError in whoever reads them). The engine request is gone
+            # either way, and nothing it started is re-run elsewhere.
+            if isinstance(exc, asyncio.CancelledError):
+                logger.info("engine call cancelled under its reader (its client left?)")
+                box.fail("the engine call was cancelled")
+            else:
                 logger.error("engine stream lost: %s", type(exc).__name__)
                 box.fail("the engine replica was lost")
             return
-        try:
-            async for out in gen:
-                queue.put_nowait((i, out))
-        except Exception as exc:  # noqa: BLE001 (the replica or its worker died)
-            # A lost engine ends this prompt with an error, never as a short success,
-            # and nothing it started is re-run elsewhere.
-            logger.error("engine stream lost: %s", type(exc).__name__)
-            queue.put_nowait((i, lost_output("the engine replica was lost")))
-        finally:
-            queue.put_nowait((i, None))
+        if box.instance is None:  # unchannelled: the call's end is the request's end
+            box.fail("the engine stream ended before the request finished")
 
     pending = 0
     tasks = []

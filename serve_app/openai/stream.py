@@ -125,12 +125,12 @@ class DeadlineReached:
 
 
 class EngineFailed(Exception):
-    """An engine output carried an error after the first output (headers may be out)."""
+    """The engine failed the request after its first output (headers may be out)."""
 
-    def __init__(self, out: RequestOutput) -> None:
-        super().__init__(out.error)
-        self.message = out.error or "the engine failed"
-        self.code = out.error_code
+    def __init__(self, message: str, code: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
 
 
 def engine_error(
@@ -180,7 +180,7 @@ class RequestOutputs:
                 if out.error is not None:
                     for event in pending.values():
                         yield event
-                    raise EngineFailed(out)
+                    raise EngineFailed(out.error or "the engine failed", out.error_code)
                 self.cached[i] = out.num_cached_tokens
                 for d in out.deltas:
                     slot = i * n + d.index
@@ -190,6 +190,12 @@ class RequestOutputs:
                         pending[slot] = Deltas(self.choices[slot], [d])
             for event in pending.values():
                 yield event
+        if any(c.finish_reason is None for c in self.choices):
+            # The merged outputs end a prompt only with its last output; should they end
+            # short all the same, the client reads an error: never a usage chunk after an
+            # open choice, nor a body without a finish reason.
+            message = "the engine stream ended before every choice finished"
+            raise EngineFailed(message, "engine_lost")
 
     def usage(self) -> Usage:
         return self.job.usage(self.choices, self.cached)

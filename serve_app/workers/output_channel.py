@@ -189,9 +189,9 @@ class ChannelHub:
 
 @dataclass
 class Mailbox:
-    """One engine request's outputs as the ingress receives them from a channel: buffered
-    until its reader attaches (a channel may deliver before the request's call says
-    `Routed`), then handed on as they come."""
+    """One engine request's outputs as the ingress receives them, from a channel or from
+    its own call: buffered until its reader attaches (a channel may deliver before the
+    request's call says `Routed`), then handed on as they come; nothing after the last."""
 
     request_id: str
     instance: str | None = None
