@@ -30,6 +30,7 @@ process's Serve event loop.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import uuid
@@ -267,7 +268,10 @@ class EngineChannels:
         loop = asyncio.get_running_loop()
         if self._opening is not None or loop.time() < self._next_open_at:
             return
-        self._opening = asyncio.create_task(self._open())
+        # NOTE: in an empty context, not the request's: Serve cancels every handle call made
+        # in a request's context when its client leaves, and the channel (and so every
+        # request whose outputs it carries) would go with the request that opened it.
+        self._opening = loop.create_task(self._open(), context=contextvars.Context())
 
     async def _open(self) -> None:
         gen = self.engine.channel.remote(self.channel_id)

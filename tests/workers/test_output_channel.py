@@ -6,6 +6,7 @@ success."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import pytest
 
@@ -213,6 +214,37 @@ def test_an_unchannelled_request_opens_one_channel_at_a_time() -> None:
             channels.routed(channels.expect(r), Routed("replica-a", None))
         await asyncio.sleep(0.05)
         assert engine.opened == 1 and "replica-a" in channels.replicas
+        channels.close()
+
+    asyncio.run(main())
+
+
+REQUEST = contextvars.ContextVar("request", default=None)
+
+
+def test_a_channel_is_no_child_of_the_request_that_opened_it() -> None:
+    """Serve cancels every handle call made in a request's context when its client leaves:
+    the channel, which every request of this ingress shares, must not be one of them."""
+
+    class RecordingEngine(FakeEngine):
+        def remote(self, channel_id: str) -> FakeCall:
+            self.opened_in = REQUEST.get()
+            return super().remote(channel_id)
+
+    async def main() -> None:
+        engine = RecordingEngine(ChannelHub("replica-a", capacity=8))
+        channels = EngineChannels(engine)
+
+        async def request() -> None:
+            REQUEST.set("the request that came back unchannelled")
+            channels.routed(channels.expect("r1"), Routed("replica-a", None))
+
+        await asyncio.create_task(request())
+        for _ in range(100):
+            if channels.replicas:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.opened == 1 and engine.opened_in is None
         channels.close()
 
     asyncio.run(main())
