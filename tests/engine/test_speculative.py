@@ -449,9 +449,7 @@ def test_back_off_pauses_a_failing_sequence_and_probes_again():
     assert b.may_propose()  # 28 proposed tokens are not yet a window
     b.record(4, 0)  # 7 of the last 32 accepted: pause for 16 steps
     assert [b.may_propose() for _ in range(17)] == [False] * 16 + [True]
-    b.record(8, 0)
-    assert b.may_propose()  # a probe is judged on a full window too
-    b.record(24, 0)  # the probe fails: the pause doubles
+    b.record(8, 0)  # the probe fails (5 of the last 32): the pause doubles
     assert sum(not b.may_propose() for _ in range(40)) == 32
     b.record(32, 24)  # a passing window resets the pause
     assert b.may_propose() and b.pause == 16
