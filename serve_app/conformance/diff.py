@@ -5,8 +5,9 @@
   records show explains (weights, tokenizer, template, grammar backend, parsers). Such a change
   never explains a status, code, header, event order, field shape or verdict.
 - **allowed numerical variation**: logprobs within `LOGPROB_TOLERANCE`; greedy outputs that part
-  ways only after a near-tie (top-2 gap below `NEAR_TIE_NATS` at the first divergence), with
-  what follows from it in the same case (later tokens, text, counts, derived inputs).
+  ways only after a near-tie (at the first divergence one run took the other's runner-up, the
+  top-2 gap below `NEAR_TIE_NATS`), with what follows from it in the same case (later tokens,
+  text, counts, derived inputs).
 - **regression**: anything else.
 
 Timings are reported, never classified; chunk boundaries are never recorded, so never compared.
@@ -95,11 +96,12 @@ class DiffReport:
     def summary_line(self) -> str:
         counts = self.counts()
         verdict = "REGRESSION" if self.has_regression else "no regression"
+        regressions = counts[Classification.REGRESSION]
         return (
             f"{verdict}: {len(self.differences)} differences "
             f"({counts[Classification.INTENDED]} intended, "
             f"{counts[Classification.NUMERICAL]} numerical, "
-            f"{counts[Classification.REGRESSION]} regressions)"
+            f"{regressions} regression{'' if regressions == 1 else 's'})"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -267,8 +269,7 @@ def _classify_case(found: list[Difference], identity_changed: bool) -> None:
             continue  # the generation comparison found it within the allowed variation
         if identity_changed and d.kind in EXPLAINED_BY_IDENTITY:
             d.classification = Classification.INTENDED
-            detail = f" ({d.reason})" if d.reason else ""
-            d.reason = f"explained by the served-identity change{detail}"
+            d.reason = "the served identity changed" + (f"; {d.reason}" if d.reason else "")
         elif diverged_on_tie and d.kind in EXPLAINED_BY_DIVERGENCE:
             d.classification = Classification.NUMERICAL
             d.reason = "follows from a generation that parted ways after a near-tie"
@@ -316,21 +317,45 @@ def compare_generations(
     before = _max_logprob_delta(x.get("logprobs"), y.get("logprobs"), upto=at)
     if before is not None and before > LOGPROB_TOLERANCE:
         out.append(_logprob_difference(case_id, path, before, f"before token {at}"))
-    gap = _near_tie_gap(x.get("logprobs"), y.get("logprobs"), at)
     d = Difference(case_id, f"{path}.token_ids", "divergence", _excerpt(x), _excerpt(y))
-    if at < 0:
-        d.reason = "the texts differ (no tokens recorded to place the divergence)"
-    elif x.get("greedy") and y.get("greedy") and gap is not None and gap < NEAR_TIE_NATS:
+    d.reason = _divergence_reason(x, y, at)
+    if d.reason.startswith("greedy outputs part ways"):
         d.classification = Classification.NUMERICAL
-        d.reason = f"greedy outputs part ways at token {at} after a near-tie (top-2 gap {gap:.4f})"
-    elif gap is not None:
-        d.reason = f"parted ways at token {at} without a near-tie (top-2 gap {gap:.4f} nats)"
-    else:
-        d.reason = f"parted ways at token {at} (no top-2 logprobs there to judge a near-tie)"
-    if not (x.get("greedy") and y.get("greedy")) and at >= 0:
-        d.reason = f"sampled outputs parted ways at token {at}"
     out.append(d)
     return out
+
+
+def _divergence_reason(x: dict[str, Any], y: dict[str, Any], at: int) -> str:
+    if at < 0:
+        return "the texts differ (no tokens recorded to place the divergence)"
+    if not (x.get("greedy") and y.get("greedy")):
+        return f"sampled outputs parted ways at token {at}"
+    xl, yl = x.get("logprobs"), y.get("logprobs")
+    if xl is None or yl is None or at >= min(len(xl), len(yl)):
+        return f"parted ways at token {at}; no logprobs there to judge a near-tie"
+    gap = _swap_gap(xl[at], yl[at])
+    if gap is None:
+        return f"parted ways at token {at}; neither token was the other's runner-up"
+    if gap < NEAR_TIE_NATS:
+        return f"greedy outputs part ways at token {at} after a near-tie (top-2 gap {gap:.4f})"
+    return f"parted ways at token {at} without a near-tie (top-2 gap {gap:.4f} nats)"
+
+
+def _swap_gap(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """The top-2 gap where the two runs took each other's runner-up at one position (the
+    smaller of the two records' gaps); None when neither took the other's."""
+    gaps = []
+    for mine, other in ((a, b), (b, a)):
+        top = mine.get("top") or []
+        if (
+            len(top) >= 2
+            and top[0][0] == mine.get("token")
+            and top[1][0] == other.get("token")
+            and _finite(top[0][1])
+            and _finite(top[1][1])
+        ):
+            gaps.append(top[0][1] - top[1][1])
+    return min(gaps) if gaps else None
 
 
 def _same_tokens(case_id: str, path: str, x: dict[str, Any], y: dict[str, Any]):
@@ -378,17 +403,6 @@ def _divergence(x: dict[str, Any], y: dict[str, Any]) -> int | None:
         if p != q:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def _near_tie_gap(xl: list | None, yl: list | None, at: int) -> float | None:
-    """The smaller top-2 gap (nats) at token `at` in either record, when one says."""
-    gaps = []
-    for entries in (xl, yl):
-        if entries is not None and 0 <= at < len(entries):
-            top = entries[at].get("top") or []
-            if len(top) >= 2 and _finite(top[0][1]) and _finite(top[1][1]):
-                gaps.append(top[0][1] - top[1][1])
-    return min(gaps) if gaps else None
 
 
 def _max_logprob_delta(xl: list | None, yl: list | None, upto: int | None = None) -> float | None:

@@ -39,7 +39,7 @@ def markdown(report: DiffReport) -> str:
             where = d.path + (f" `{d.subject}`" if d.subject and d.kind.startswith("field") else "")
             lines.append(
                 f"| {d.case} | {_cell(where)} | {d.kind} | {_cell(d.old)} | {_cell(d.new)} | "
-                f"{SHORT[d.classification]} | {_cell(d.reason)} |"
+                f"{SHORT[d.classification]} | {_cell(d.reason, 140)} |"
             )
     else:
         lines.append("None: every case observed the same thing.")

@@ -23,9 +23,10 @@ IDENTITY = {"weights_sha256": "w1", "tokenizer_sha256": "t1", "chat_template_sha
 
 
 def generation(ids, gaps, greedy=True, base=-1.0, text=None):
-    """A generation whose token i has logprob `base` and a runner-up `gaps[i]` nats below."""
+    """A generation whose token i has logprob `base` and, `gaps[i]` nats below, the runner-up
+    token `t{ids[i] + 100}`."""
     logprobs = [
-        {"token": f"t{t}", "logprob": base, "top": [[f"t{t}", base], [f"alt{t}", base - gap]]}
+        {"token": f"t{t}", "logprob": base, "top": [[f"t{t}", base], [f"t{t + 100}", base - gap]]}
         for t, gap in zip(ids, gaps, strict=True)
     ]
     return {
@@ -100,7 +101,7 @@ def test_logprobs_perturbed(delta, expected):
 
 def test_a_greedy_divergence_after_a_near_tie_is_numerical():
     # Token 2's runner-up was 0.01 nats behind: the new run took it, and went on differently.
-    other = generation([5, 6, 9, 10, 11], [0.5, 0.3, 0.01, 0.2, 0.2], text="t5t6t9t10t11")
+    other = generation([5, 6, 107, 10, 11], [0.5, 0.3, 0.01, 0.2, 0.2])
     old = record(case("a", generation=GEN, usage={"completion_tokens": 4}))
     new = record(case("a", generation=other, usage={"completion_tokens": 5}))
     report = diff_records(old, new, [])
@@ -109,7 +110,7 @@ def test_a_greedy_divergence_after_a_near_tie_is_numerical():
 
 
 def test_a_greedy_divergence_without_a_near_tie_is_a_regression():
-    other = generation([5, 9, 9, 9], [0.5, 0.3, 0.01, 0.4])  # token 1: 0.3 nats behind
+    other = generation([5, 106, 9, 9], [0.5, 0.3, 0.01, 0.4])  # the runner-up, 0.3 nats behind
     report = diff_records(
         record(case("a", generation=GEN)), record(case("a", generation=other)), []
     )
@@ -117,15 +118,25 @@ def test_a_greedy_divergence_without_a_near_tie_is_a_regression():
     assert "without a near-tie" in report.differences[0].reason
 
 
+def test_a_divergence_to_a_token_that_was_not_the_runner_up_is_a_regression():
+    # Token 2 was a near-tie, but the new run took neither of its two candidates.
+    other = generation([5, 6, 9, 9], [0.5, 0.3, 0.01, 0.4])
+    report = diff_records(
+        record(case("a", generation=GEN)), record(case("a", generation=other)), []
+    )
+    assert classes(report) == [("a", "divergence", REGRESSION)]
+    assert "runner-up" in report.differences[0].reason
+
+
 def test_a_sampled_divergence_is_a_regression_even_at_a_near_tie():
     a = generation([5, 6, 7, 8], [0.5, 0.3, 0.01, 0.4], greedy=False)
-    b = generation([5, 6, 9, 9], [0.5, 0.3, 0.01, 0.4], greedy=False)
+    b = generation([5, 6, 107, 9], [0.5, 0.3, 0.01, 0.4], greedy=False)
     report = diff_records(record(case("a", generation=a)), record(case("a", generation=b)), [])
     assert classes(report) == [("a", "divergence", REGRESSION)]
 
 
 def test_logprobs_before_a_near_tie_divergence_must_still_agree():
-    other = generation([5, 6, 9, 10], [0.5, 0.3, 0.01, 0.2], base=-1.5)
+    other = generation([5, 6, 107, 10], [0.5, 0.3, 0.01, 0.2], base=-1.5)
     report = diff_records(
         record(case("a", generation=GEN)), record(case("a", generation=other)), []
     )
@@ -204,7 +215,7 @@ def test_violations_in_both_records_are_listed_not_diffed():
 
 
 def test_compare_generations_without_token_ids_uses_the_logprob_tokens():
-    a, b = copy.deepcopy(GEN), generation([5, 6, 9, 9], [0.5, 0.3, 0.01, 0.4])
+    a, b = copy.deepcopy(GEN), generation([5, 6, 107, 9], [0.5, 0.3, 0.01, 0.4])
     a["token_ids"] = b["token_ids"] = None
     (d,) = compare_generations("a", "outputs.generation", a, b)
     assert d.kind == "divergence" and d.classification == NUMERICAL

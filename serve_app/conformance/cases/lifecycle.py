@@ -47,6 +47,11 @@ def cancellation(s: Session, record: CaseRecord) -> None:
     if live.stream.status != 200:
         record.fail(f"HTTP {live.stream.status}: {live.stream.body}")
     record.observation["outputs_before_leaving"] = live.read_outputs(3)
+    if baseline is not None:
+        # Live first (the replicas push their stats every ~0.2 s): the case tests a release.
+        seen, _, during = s.wait_admin(lambda t: t.get("live_requests", 0) >= 1, 5)
+        record.notes["during"] = during
+        record.check(seen, f"the stream was never seen live in the admin stats: {during}")
     live.close()
     if baseline is None:
         after = raw_post(s, record, "after", COMPLETIONS, completion_body(s, "hi", max_tokens=1))

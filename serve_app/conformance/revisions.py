@@ -1,0 +1,185 @@
+"""`make conformance-diff REV=<rev>`: the suite against a past revision and against this working
+tree, each served in turn on the same checkpoint and free ports, and the diff of the two records.
+
+The revision is checked out in a temporary git worktree and served from a venv of its own: one
+per revision's `pyproject.toml` (built once, cached under ~/.cache/serve-app/conformance/venvs/),
+into which the revision's own code is installed on every run. The working tree is served from
+the venv that runs this command. Exit status: 0, or 1 when the diff finds a regression.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from serve_app.conformance.cases import select
+from serve_app.conformance.changes import load_changes
+from serve_app.conformance.diff import diff_records
+from serve_app.conformance.record import Record
+from serve_app.conformance.report import write_report
+from serve_app.conformance.runner import run_suite
+from serve_app.conformance.session import Target
+
+CACHE = Path(os.environ.get("SERVE_APP_CACHE", Path.home() / ".cache" / "serve-app"))
+ROOT = CACHE / "conformance"
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 90.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serve_app.conformance.revisions")
+    parser.add_argument("rev", help="the git revision to compare this working tree against")
+    parser.add_argument("--model", help="checkpoint folder (default: the seeded tiny llama)")
+    parser.add_argument("--out", help="where the records and the report go")
+    parser.add_argument("--changes", help="the changes file (default: this tree's)")
+    parser.add_argument("--fast", action="store_true", help="only the fast subset")
+    args = parser.parse_args(argv)
+
+    repo = Path(_git(Path.cwd(), "rev-parse", "--show-toplevel"))
+    sha = _git(repo, "rev-parse", "--verify", f"{args.rev}^{{commit}}")
+    out = Path(args.out or ROOT / "runs" / f"{sha[:12]}-vs-worktree")
+    out.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else seeded_checkpoint()
+    changes = load_changes(args.changes)
+    started = time.monotonic()
+    with worktree(repo, sha) as tree:
+        _say(f"{args.rev} ({sha[:12]}) checked out in {tree}")
+        serve_app = revision_venv(tree) / "bin" / "serve-app"
+        old = serve_and_run([str(serve_app)], tree, model, out / "old", args.fast)
+    here = [sys.executable, "-m", "serve_app.cli"]
+    new = serve_and_run(here, repo, model, out / "new", args.fast)
+    report = diff_records(old, new, changes)
+    md, js = write_report(report, out / "report")
+    _say(f"{report.summary_line()} in {time.monotonic() - started:.0f} s")
+    _say(f"records {out / 'old.json'} and {out / 'new.json'}; report {md} and {js}")
+    return 1 if report.has_regression else 0
+
+
+def _say(message: str) -> None:
+    print(f"==> {message}", file=sys.stderr, flush=True)
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def seeded_checkpoint() -> Path:
+    """The tiny seeded llama, written once by this tree's factory (same seed, same bytes)."""
+    path = ROOT / "models" / "tiny-llama"
+    if not (path / "config.json").is_file():
+        _say(f"writing the tiny seeded checkpoint to {path}")
+        cmd = [sys.executable, "-m", "serve_app.cli", "make-model", str(path), "--preset", "tiny"]
+        subprocess.run(cmd, check=True)
+    return path
+
+
+@contextmanager
+def worktree(repo: Path, sha: str) -> Iterator[Path]:
+    parent = Path(tempfile.mkdtemp(prefix="serve-app-rev-"))
+    tree = parent / "tree"
+    _git(repo, "worktree", "add", "--detach", str(tree), sha)
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, check=False)
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def revision_venv(tree: Path) -> Path:
+    """A venv with the revision's dependencies (built once per pyproject.toml) and its code."""
+    key = hashlib.sha256((tree / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    venv = ROOT / "venvs" / key
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    if not (venv / ".installed").is_file():
+        _say(f"building the revision's venv in {venv} (once per pyproject.toml; minutes)")
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # As the Makefile does: torch first, pinned to this venv's, so pip takes the CPU wheel.
+        subprocess.run([*pip, f"torch=={_torch_version()}"], check=True)
+        subprocess.run([*pip, str(tree)], check=True)
+        (venv / ".installed").touch()
+    _say("installing the revision's code into its venv")
+    subprocess.run([*pip, "--no-deps", "--force-reinstall", str(tree)], check=True)
+    return venv
+
+
+def _torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch").split("+")[0]
+
+
+def serve_and_run(command: list[str], cwd: Path, model: Path, out: Path, fast: bool) -> Record:
+    """Serve `model` with `command` (a `serve-app`) on free ports, run the suite, stop."""
+    port, admin_port = _free_port(), _free_port()
+    log = out.with_suffix(".server.log")
+    serve = [*command, "serve", "--model", str(model), "--port", str(port)]
+    serve += ["--admin-port", str(admin_port)]
+    _say(f"serving {cwd} on port {port} (log: {log})")
+    with log.open("w") as sink:
+        # Its own process group: the stop below reaches the server and nothing else.
+        proc = subprocess.Popen(
+            serve, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, proc, log)
+            target = Target(url, admin_url=f"http://127.0.0.1:{admin_port}")
+            record = run_suite(target, select(fast=fast))
+        finally:
+            _stop(proc)
+    record.save(out.with_suffix(".json"))
+    counts = ", ".join(f"{n} {v}" for v, n in record.counts().items())
+    _say(f"{len(record.cases)} cases in {record.duration_s:.0f} s: {counts}")
+    return record
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"the server was not healthy within {START_TIMEOUT_S:.0f} s (see {log})")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
