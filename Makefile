@@ -9,7 +9,7 @@ DEMO_PRESET := smollm2-135m-instruct
 DEMO_MODEL ?= $(HOME)/.cache/serve-app/models/$(DEMO_PRESET)
 DEMO_TEMPLATE := serve_app/checkpoints/smollm2_tools.jinja
 
-.PHONY: venv kernels demo-model serve test lint bench clean
+.PHONY: venv kernels demo-model serve test lint bench clean conformance-diff
 
 venv: $(STAMP)
 
@@ -57,6 +57,14 @@ lint: $(STAMP)
 
 test: $(STAMP) lint kernels demo-model
 	$(PY) -m pytest -q
+
+# The conformance suite against a past revision and this working tree, each served in turn on
+# the seeded tiny checkpoint (MODEL=DIR for another), and the diff of the two records: exit 1 on
+# a regression (docs/conformance.md). The revision gets a temporary worktree and its own venv.
+REV ?=
+conformance-diff: $(STAMP) kernels
+	@test -n "$(REV)" || { echo "usage: make conformance-diff REV=<git rev> [MODEL=DIR]"; exit 2; }
+	$(PY) -m serve_app.conformance.revisions $(REV) $(if $(strip $(MODEL)),--model $(MODEL))
 
 # Every benchmark, one after the other (each needs the cores to itself); JSON + PNG each.
 # The trained demo model by default; the seeded `bench` shape beside it (`*_bench.json`).
