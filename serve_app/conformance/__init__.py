@@ -11,5 +11,8 @@ revisions or at a peer. docs/conformance.md lists the cases, the record and the 
 - `observe`: what the cases record of a response: generations, field shapes, stream events.
 - `cases/`: the cases, one module per concern.
 - `runner`: runs a selection of cases into a record.
-- `changes`: the intended API changes file; `diff`: the classification; `report`: its tables.
+- `changes`: the intended API changes file; `diff`: the classification, case by case;
+  `divergence`: two generations' tokens and logprobs; `differences`: the classes and the
+  report's data; `report`: its tables.
+- `revisions`: `make conformance-diff` (a past revision and this tree, served in turn).
 """

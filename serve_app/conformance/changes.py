@@ -3,7 +3,7 @@
 ```yaml
 changes:
   - description: responses name their annotations   # required: why
-    kind: field_added          # a difference kind (diff.KINDS)
+    kind: field_added          # a difference kind (KINDS below)
     case: "*"                  # glob over case ids (default: any)
     path: "*"                  # glob over the difference's path in the record (default: any)
     field: "choices[].message.annotations"   # field_added / field_removed: the field's path

@@ -4,10 +4,9 @@
   logprobs, token counts or a case's model-derived inputs that a served-identity change the
   records show explains (weights, tokenizer, template, grammar backend, parsers). Such a change
   never explains a status, code, header, event order, field shape or verdict.
-- **allowed numerical variation**: logprobs within `LOGPROB_TOLERANCE`; greedy outputs that part
-  ways only after a near-tie (at the first divergence one run took the other's runner-up, the
-  top-2 gap below `NEAR_TIE_NATS`), with what follows from it in the same case (later tokens,
-  text, counts, derived inputs).
+- **allowed numerical variation**: what `divergence` allows (logprobs within 1e-4, greedy outputs
+  that part ways only after a near-tie), with what follows from it in the same case (later
+  tokens, text, counts, derived inputs).
 - **regression**: anything else.
 
 Timings are reported, never classified; chunk boundaries are never recorded, so never compared.
@@ -15,16 +14,13 @@ Timings are reported, never classified; chunk boundaries are never recorded, so 
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from serve_app.conformance.changes import DeclaredChange
+from serve_app.conformance.differences import Classification, Difference, DiffReport, Timing
+from serve_app.conformance.divergence import compare_generations
 from serve_app.conformance.record import Record, Verdict
 
-LOGPROB_TOLERANCE = 1e-4
-NEAR_TIE_NATS = 0.05
 # A served-identity change explains these kinds (what the model computes), never others.
 EXPLAINED_BY_IDENTITY = {"text", "token_ids", "logprobs", "token_count", "divergence", "inputs"}
 # A near-tie divergence in a case explains these in the rest of that case.
@@ -39,84 +35,6 @@ KEY_KINDS = {
     "finish_reason": "finish_reason",
     "stop_reason": "finish_reason",
 }
-
-
-class Classification(StrEnum):
-    INTENDED = "intended API change"
-    NUMERICAL = "allowed numerical variation"
-    REGRESSION = "regression"
-
-
-@dataclass
-class Difference:
-    case: str
-    path: str
-    kind: str
-    old: Any
-    new: Any
-    classification: Classification = Classification.REGRESSION
-    reason: str = ""
-    subject: str = ""  # the field of a field_added/removed, the key of an identity fact
-
-    def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["classification"] = str(self.classification)
-        return data
-
-
-@dataclass
-class Timing:
-    case: str
-    name: str
-    old: float | None
-    new: float | None
-
-
-@dataclass
-class DiffReport:
-    old: dict[str, Any]
-    new: dict[str, Any]
-    differences: list[Difference] = field(default_factory=list)
-    timings: list[Timing] = field(default_factory=list)
-    identical_cases: list[str] = field(default_factory=list)
-    violations_in_both: dict[str, list[str]] = field(default_factory=dict)
-    declared_not_seen: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def has_regression(self) -> bool:
-        return any(d.classification == Classification.REGRESSION for d in self.differences)
-
-    def counts(self) -> dict[str, int]:
-        out = {str(c): 0 for c in Classification}
-        for d in self.differences:
-            out[str(d.classification)] += 1
-        return out
-
-    def summary_line(self) -> str:
-        counts = self.counts()
-        verdict = "REGRESSION" if self.has_regression else "no regression"
-        regressions = counts[Classification.REGRESSION]
-        return (
-            f"{verdict}: {len(self.differences)} differences "
-            f"({counts[Classification.INTENDED]} intended, "
-            f"{counts[Classification.NUMERICAL]} numerical, "
-            f"{regressions} regression{'' if regressions == 1 else 's'})"
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "old": self.old,
-            "new": self.new,
-            "has_regression": self.has_regression,
-            "counts": self.counts(),
-            "differences": [d.as_dict() for d in self.differences],
-            "timings": [asdict(t) for t in self.timings],
-            "identical_cases": self.identical_cases,
-            "violations_in_both": self.violations_in_both,
-            "declared_not_seen": self.declared_not_seen,
-            "notes": self.notes,
-        }
 
 
 def diff_records(old: Record, new: Record, changes: list[DeclaredChange]) -> DiffReport:
@@ -301,136 +219,6 @@ def _apply_declarations(d: Difference, changes: list[DeclaredChange], used: set[
             d.classification = Classification.INTENDED
             d.reason = f"declared: {change.description}"
             return
-
-
-# ------------------------------------------------------------------ generations
-
-
-def compare_generations(
-    case_id: str, path: str, x: dict[str, Any], y: dict[str, Any]
-) -> list[Difference]:
-    """Where two generations part ways, and whether a near-tie explains it."""
-    at = _divergence(x, y)
-    if at is None:
-        return _same_tokens(case_id, path, x, y)
-    out: list[Difference] = []
-    before = _max_logprob_delta(x.get("logprobs"), y.get("logprobs"), upto=at)
-    if before is not None and before > LOGPROB_TOLERANCE:
-        out.append(_logprob_difference(case_id, path, before, f"before token {at}"))
-    d = Difference(case_id, f"{path}.token_ids", "divergence", _excerpt(x), _excerpt(y))
-    d.reason = _divergence_reason(x, y, at)
-    if d.reason.startswith("greedy outputs part ways"):
-        d.classification = Classification.NUMERICAL
-    out.append(d)
-    return out
-
-
-def _divergence_reason(x: dict[str, Any], y: dict[str, Any], at: int) -> str:
-    if at < 0:
-        return "the texts differ (no tokens recorded to place the divergence)"
-    if not (x.get("greedy") and y.get("greedy")):
-        return f"sampled outputs parted ways at token {at}"
-    xl, yl = x.get("logprobs"), y.get("logprobs")
-    if xl is None or yl is None or at >= min(len(xl), len(yl)):
-        return f"parted ways at token {at}; no logprobs there to judge a near-tie"
-    gap = _swap_gap(xl[at], yl[at])
-    if gap is None:
-        return f"parted ways at token {at}; neither token was the other's runner-up"
-    if gap < NEAR_TIE_NATS:
-        return f"greedy outputs part ways at token {at} after a near-tie (top-2 gap {gap:.4f})"
-    return f"parted ways at token {at} without a near-tie (top-2 gap {gap:.4f} nats)"
-
-
-def _swap_gap(a: dict[str, Any], b: dict[str, Any]) -> float | None:
-    """The top-2 gap where the two runs took each other's runner-up at one position (the
-    smaller of the two records' gaps); None when neither took the other's."""
-    gaps = []
-    for mine, other in ((a, b), (b, a)):
-        top = mine.get("top") or []
-        if (
-            len(top) >= 2
-            and top[0][0] == mine.get("token")
-            and top[1][0] == other.get("token")
-            and _finite(top[0][1])
-            and _finite(top[1][1])
-        ):
-            gaps.append(top[0][1] - top[1][1])
-    return min(gaps) if gaps else None
-
-
-def _same_tokens(case_id: str, path: str, x: dict[str, Any], y: dict[str, Any]):
-    out = []
-    delta = _max_logprob_delta(x.get("logprobs"), y.get("logprobs"))
-    if delta is not None and delta > 0:
-        out.append(_logprob_difference(case_id, path, delta, "same tokens"))
-    for key in ("text", "reasoning", "tool_calls", "finish_reason", "stop_reason"):
-        if x.get(key) != y.get(key):
-            kind = "finish_reason" if key in ("finish_reason", "stop_reason") else "text"
-            out.append(Difference(case_id, f"{path}.{key}", kind, x.get(key), y.get(key)))
-    has_x, has_y = x.get("logprobs") is not None, y.get("logprobs") is not None
-    if has_x != has_y:
-        out.append(Difference(case_id, f"{path}.logprobs", "value", has_x, has_y))
-    return out
-
-
-def _logprob_difference(case_id: str, path: str, delta: float, where: str) -> Difference:
-    d = Difference(case_id, f"{path}.logprobs", "logprobs", None, round(delta, 9))
-    d.old = f"max |Δ| {delta:.2e} ({where})"
-    if delta <= LOGPROB_TOLERANCE:
-        d.classification = Classification.NUMERICAL
-        d.reason = f"logprobs within {LOGPROB_TOLERANCE:g} (max |Δ| {delta:.2e})"
-    else:
-        d.reason = f"logprobs differ by {delta:.2e} > {LOGPROB_TOLERANCE:g}"
-    return d
-
-
-def _sequence(gen: dict[str, Any]) -> list[Any] | None:
-    if gen.get("token_ids") is not None:
-        return list(gen["token_ids"])
-    if gen.get("logprobs") is not None:
-        return [e.get("token") for e in gen["logprobs"]]
-    return None
-
-
-def _divergence(x: dict[str, Any], y: dict[str, Any]) -> int | None:
-    """The first token where the generations differ; None when the same; -1 when only the
-    texts say they differ."""
-    a, b = _sequence(x), _sequence(y)
-    if a is None or b is None:
-        same = x.get("text") == y.get("text") and x.get("tool_calls") == y.get("tool_calls")
-        return None if same else -1
-    for i, (p, q) in enumerate(zip(a, b, strict=False)):
-        if p != q:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def _max_logprob_delta(xl: list | None, yl: list | None, upto: int | None = None) -> float | None:
-    """The largest difference between two logprob lists (chosen tokens and the alternatives
-    both list), over the first `upto` tokens."""
-    if xl is None or yl is None:
-        return None
-    n = min(len(xl), len(yl)) if upto is None else min(upto, len(xl), len(yl))
-    worst = 0.0
-    for a, b in zip(xl[:n], yl[:n], strict=True):
-        if _finite(a.get("logprob")) and _finite(b.get("logprob")):
-            worst = max(worst, abs(a["logprob"] - b["logprob"]))
-        alternatives = {t: v for t, v in b.get("top") or []}
-        for token, value in a.get("top") or []:
-            if token in alternatives and _finite(value) and _finite(alternatives[token]):
-                worst = max(worst, abs(value - alternatives[token]))
-    return worst
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
-
-
-def _excerpt(gen: dict[str, Any]) -> str:
-    text = gen.get("text") or ""
-    if gen.get("tool_calls"):
-        text += f" {gen['tool_calls']}"
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ------------------------------------------------------------------ helpers

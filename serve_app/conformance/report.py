@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from serve_app.conformance.diff import Classification, DiffReport
+from serve_app.conformance.differences import Classification, DiffReport
 
 SHORT = {
     Classification.INTENDED: "intended",

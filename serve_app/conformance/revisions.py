@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with worktree(repo, sha) as tree:
         _say(f"{args.rev} ({sha[:12]}) checked out in {tree}")
-        serve_app = revision_venv(tree) / "bin" / "serve-app"
+        serve_app = revision_venv(tree, out / "pip.log") / "bin" / "serve-app"
         old = serve_and_run([str(serve_app)], tree, model, out / "old", args.fast)
     here = [sys.executable, "-m", "serve_app.cli"]
     new = serve_and_run(here, repo, model, out / "new", args.fast)
@@ -99,21 +99,28 @@ def worktree(repo: Path, sha: str) -> Iterator[Path]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
-def revision_venv(tree: Path) -> Path:
-    """A venv with the revision's dependencies (built once per pyproject.toml) and its code."""
+def revision_venv(tree: Path, log: Path) -> Path:
+    """A venv with the revision's dependencies (built once per pyproject.toml) and its code;
+    pip's output goes to `log`."""
     key = hashlib.sha256((tree / "pyproject.toml").read_bytes()).hexdigest()[:16]
     venv = ROOT / "venvs" / key
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    if not (venv / ".installed").is_file():
-        _say(f"building the revision's venv in {venv} (once per pyproject.toml; minutes)")
-        shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        # As the Makefile does: torch first, pinned to this venv's, so pip takes the CPU wheel.
-        subprocess.run([*pip, f"torch=={_torch_version()}"], check=True)
-        subprocess.run([*pip, str(tree)], check=True)
-        (venv / ".installed").touch()
-    _say("installing the revision's code into its venv")
-    subprocess.run([*pip, "--no-deps", "--force-reinstall", str(tree)], check=True)
+    with log.open("w") as sink:
+
+        def run(cmd: list[str]) -> None:
+            if subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT).returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{log.read_text()[-3000:]}")
+
+        if not (venv / ".installed").is_file():
+            _say(f"building the revision's venv in {venv} (once per pyproject.toml; minutes)")
+            shutil.rmtree(venv, ignore_errors=True)
+            run([sys.executable, "-m", "venv", str(venv)])
+            # As the Makefile does: torch first, pinned to this venv's: pip takes the CPU wheel.
+            run([*pip, f"torch=={_torch_version()}"])
+            run([*pip, str(tree)])
+            (venv / ".installed").touch()
+        _say(f"installing the revision's code into its venv (log: {log})")
+        run([*pip, "--no-deps", "--force-reinstall", str(tree)])
     return venv
 
 

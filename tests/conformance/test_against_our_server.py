@@ -15,7 +15,8 @@ import pytest
 from serve_app.cli import main
 from serve_app.conformance.cases import select
 from serve_app.conformance.changes import load_changes
-from serve_app.conformance.diff import Classification, DiffReport, diff_records
+from serve_app.conformance.diff import diff_records
+from serve_app.conformance.differences import Classification, DiffReport
 from serve_app.conformance.record import Record
 from serve_app.conformance.runner import run_suite
 from serve_app.conformance.session import Target

@@ -10,7 +10,9 @@ import pytest
 
 from serve_app.cli import main
 from serve_app.conformance.changes import ChangesError, load_changes
-from serve_app.conformance.diff import Classification, compare_generations, diff_records
+from serve_app.conformance.diff import diff_records
+from serve_app.conformance.differences import Classification
+from serve_app.conformance.divergence import compare_generations
 from serve_app.conformance.record import Record
 from serve_app.conformance.report import write_report
 
