@@ -75,7 +75,6 @@ def serve_url(ray_session, model_dirs, tmp_path_factory):
     from serve_app.server import wait_healthy
     from tests.support.admin import wait_reporting
     from tests.support.generations import generation_options
-    from tests.support.side_apps import quick_stop
 
     port = free_port()
     config = ServeConfig(
@@ -86,7 +85,7 @@ def serve_url(ray_session, model_dirs, tmp_path_factory):
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # The app brings its admin API (on config.admin_port) with it.
-    serve.run(quick_stop(build_app(config)), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout_s=180)

@@ -14,9 +14,9 @@ pytestmark = pytest.mark.serve
 def tp2_url(serve_url, model_dirs):
     from ray import serve
 
+    from serve_app.app import build_app
     from serve_app.config.options import ServeConfig
     from tests.support.ports import free_port
-    from tests.support.side_apps import deploy
 
     config = ServeConfig(
         model=str(model_dirs("llama")),
@@ -24,8 +24,11 @@ def tp2_url(serve_url, model_dirs):
         admin_port=free_port(),
         engine={"tensor_parallel_size": 2},
     )
+    serve.run(build_app(config), name="tp2", route_prefix="/tp2", blocking=False)
     url = f"{serve_url}/tp2"
-    deploy(config, "tp2", url, "/tp2")
+    from serve_app.server import wait_healthy
+
+    wait_healthy(url, timeout_s=180)
     yield url
     serve.delete("tp2")
 

@@ -8,10 +8,6 @@ from contextlib import contextmanager
 
 # Side apps share the session's machine: a small KV cache unless a test needs more.
 SIDE_KV_CACHE_BYTES = 32 * 1024**2
-# How often a stopping replica checks for requests left (Serve's default: 2 s, slept before
-# the first check). The tests' apps stop idle, the ingress first and then the rest: at 2 s,
-# each deletion slept 4 s.
-STOP_LOOP_S = 0.1
 
 
 def side_config(model_dir, model_name: str, data_dir, *, engine=None, **fields):
@@ -32,26 +28,6 @@ def side_config(model_dir, model_name: str, data_dir, *, engine=None, **fields):
     )
 
 
-def quick_stop(app, loop_s: float = STOP_LOOP_S, built: dict | None = None):
-    """`app` with every deployment of its graph checking for requests left every `loop_s`
-    when it stops (it still waits for each one, up to its graceful-shutdown timeout)."""
-    from ray.serve import Application
-
-    built = {} if built is None else built
-    if id(app) not in built:
-        # NOTE: Serve has no public way to walk a bound graph.
-        deployment = app._bound_deployment
-
-        def rebound(arg):
-            return quick_stop(arg, loop_s, built) if isinstance(arg, Application) else arg
-
-        args = [rebound(a) for a in deployment.init_args]
-        kwargs = {k: rebound(v) for k, v in deployment.init_kwargs.items()}
-        options = deployment.options(graceful_shutdown_wait_loop_s=loop_s)
-        built[id(app)] = options.bind(*args, **kwargs)
-    return built[id(app)]
-
-
 def deploy(config, name: str, url: str, prefix: str) -> None:
     """Run `config`'s graph as app `name` under `prefix` and wait until `url` is healthy."""
     from ray import serve
@@ -59,7 +35,7 @@ def deploy(config, name: str, url: str, prefix: str) -> None:
     from serve_app.app import build_app
     from serve_app.server import wait_healthy
 
-    serve.run(quick_stop(build_app(config)), name=name, route_prefix=prefix, blocking=False)
+    serve.run(build_app(config), name=name, route_prefix=prefix, blocking=False)
     wait_healthy(url, timeout_s=180)
 
 
