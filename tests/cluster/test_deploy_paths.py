@@ -36,7 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SHIPPED_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 WARNING = proxy_flow.MISSING_HOOK_WARNING
-DEPLOYMENTS = ("ingress", "tokenizer", "grammar", "engine", "admin")
 
 
 def env_without_hook() -> dict[str, str]:
@@ -68,19 +67,12 @@ def wait_for(check: Callable[[], object], timeout_s: float, what: str) -> object
     raise AssertionError(f"{what} within {timeout_s:.0f}s (last: {last!r})")
 
 
-def config_file(
-    tmp: Path, name: str, port: int, model: Path, *, stop_loop_s: float | None = None, **args
-) -> Path:
-    """The shipped deploy/serve_config.yaml with this test's ports, model and `args`;
-    `stop_loop_s` sets every deployment's graceful_shutdown_wait_loop_s."""
+def config_file(tmp: Path, name: str, port: int, model: Path, **args) -> Path:
+    """The shipped deploy/serve_config.yaml with this test's ports, model and `args`."""
     data = yaml.safe_load(SHIPPED_CONFIG.read_text())
     data["http_options"]["port"] = port
     app = data["applications"][0]
     app["args"] = {**app["args"], "model": str(model), **args}
-    if stop_loop_s is not None:
-        app["deployments"] = [
-            {"name": d, "graceful_shutdown_wait_loop_s": stop_loop_s} for d in DEPLOYMENTS
-        ]
     path = tmp / name
     path.write_text(yaml.safe_dump(data))
     return path
@@ -284,10 +276,7 @@ def test_serve_deploy_and_serve_run_on_a_cluster_started_without_the_hook(model_
 def test_serve_run_config_with_the_documented_environment_has_the_hook(model_dirs, tmp_path):
     port, admin_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-    # An idle replica leaves when its first wait loop finds no request; at Serve's 2 s a
-    # loop, Ctrl-C took 4 s of them (the ingress first, then the rest).
-    model = model_dirs("llama")
-    config = config_file(tmp_path, "run.yaml", port, model, stop_loop_s=0.1, admin_port=admin_port)
+    config = config_file(tmp_path, "run.yaml", port, model_dirs("llama"), admin_port=admin_port)
     env = {**env_without_hook(), **ray_env.SETTINGS}
     # `-a local`: a Ray of its own, whatever else runs on this machine.
     run = Output([str(BIN / "serve"), "run", "-a", "local", str(config)], env)
