@@ -8,7 +8,6 @@ node has free and what holds the rest (actors/placement_failure.py).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any
@@ -21,7 +20,6 @@ from serve_app.config.options import ServeConfig
 logger = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "engine"
-INGRESS_DEPLOYMENT = "ingress"
 # Actor states of a replica Ray has not placed on a node yet.
 _UNPLACED = ("DEPENDENCIES_UNREADY", "PENDING_CREATION")
 # How long placed replicas may take to load their weights and start.
@@ -56,39 +54,6 @@ def unplaced_replicas(app_name: str, deployment: str = ENGINE_DEPLOYMENT) -> lis
         for a in table.values()
         if a.get("Name", "").startswith(prefix) and a.get("State") in _UNPLACED
     )
-
-
-def release_unplaced_engines() -> None:
-    """During Serve's shutdown: kill the engine replicas Ray never placed, of each app whose
-    ingress replicas are all gone.
-
-    Serve gives every stopping replica its graceful-shutdown period (20 s by default) to finish
-    its requests, and a replica that was never placed never answers the call that would end
-    that wait early: a server that failed placement stopped 20 s late. Serve removes an app's
-    ingress first and its other deployments after it; an engine replica killed before that is
-    one its deployment still wants, and would be started again."""
-    from ray.serve._private.constants import SERVE_NAMESPACE
-
-    try:
-        table = ray._private.state.actors()
-    except Exception:  # noqa: BLE001 (no GCS view: Serve's own grace period applies)
-        return
-    # Replica actors are named SERVE_REPLICA::APP#DEPLOYMENT#ID.
-    replicas = [
-        (*a["Name"].removeprefix("SERVE_REPLICA::").split("#")[:2], a.get("State"), a["Name"])
-        for a in table.values()
-        if a.get("Name", "").startswith("SERVE_REPLICA::") and a["Name"].count("#") >= 2
-    ]
-    serving = {
-        app
-        for app, deployment, state, _ in replicas
-        if deployment == INGRESS_DEPLOYMENT and state != "DEAD"
-    }
-    for app, deployment, state, name in replicas:
-        if deployment != ENGINE_DEPLOYMENT or state not in _UNPLACED or app in serving:
-            continue
-        with contextlib.suppress(ValueError):  # gone in the meantime
-            ray.kill(ray.get_actor(name, namespace=SERVE_NAMESPACE), no_restart=True)
 
 
 def pending_groups(app_name: str, deployment: str = ENGINE_DEPLOYMENT) -> list[str]:

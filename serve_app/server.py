@@ -127,8 +127,6 @@ def _shutdown_serve(timeout_s: float) -> None:
     from ray import serve
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-    from serve_app.placement import release_unplaced_engines
-
     def controller():
         try:
             return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
@@ -150,7 +148,6 @@ def _shutdown_serve(timeout_s: float) -> None:
     except ray.exceptions.GetTimeoutError:
         pass  # a stuck controller: reported below
     while controller() is not None:
-        release_unplaced_engines()
         if time.monotonic() > deadline:
             logger.warning("Serve did not stop within %.0fs (see its controller's log)", timeout_s)
             return
