@@ -1,4 +1,5 @@
-"""Durable state of the generations API: generation resources, idempotency keys, conversations.
+"""Durable state of the resource APIs: generation resources, idempotency keys, conversations,
+and stored responses (`/v1/responses`).
 
 `Store` is the seam; `store_sqlite.SQLiteStore` (WAL, one file in a local data folder) is the
 default and `store_postgres.PostgresStore` mirrors the same schema for clusters. Methods are
@@ -16,6 +17,8 @@ Schema (plain SQL types, JSON as TEXT, times as REAL Unix seconds):
                   pending_generation TEXT NULL, created_at REAL, updated_at REAL,
                   expires_at REAL)
     owners(owner TEXT PK, heartbeat_at REAL)
+    responses(id TEXT PK, tenant TEXT, status TEXT, data TEXT, created_at REAL,
+              expires_at REAL)
 """
 
 from __future__ import annotations
@@ -89,6 +92,19 @@ class TurnAppend:
 
     messages: list[dict[str, Any]]
     # The conversation's new expiry (retention counts from its last change).
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class ResponseRecord:
+    """One stored response of `/v1/responses`: `data` holds the response object, its input
+    items and the context a later response that names it continues from."""
+
+    id: str
+    tenant: str
+    status: str
+    data: dict[str, Any]
+    created_at: float
     expires_at: float
 
 
@@ -174,6 +190,17 @@ class Store(ABC):
     def delete_conversation(self, tenant: str, conversation_id: str) -> bool: ...
 
     @abstractmethod
+    def insert_response(self, record: ResponseRecord) -> None:
+        """Record a finished response (its id is new)."""
+
+    @abstractmethod
+    def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None: ...
+
+    @abstractmethod
+    def delete_response(self, tenant: str, response_id: str) -> bool:
+        """False when there was none (for this tenant, unexpired)."""
+
+    @abstractmethod
     def purge_expired(self) -> int:
         """Delete every expired row (any tenant); returns how many went."""
 
@@ -184,6 +211,7 @@ class Store(ABC):
 # ------------------------------------------------------- row helpers (both backends)
 
 GEN_COLUMNS = "id, tenant, status, owner, data, created_at, updated_at, expires_at"
+RESPONSE_COLUMNS = "id, tenant, status, data, created_at, expires_at"
 CONV_COLUMNS = (
     "id, tenant, revision, messages, pending_generation, created_at, updated_at, expires_at"
 )
@@ -203,6 +231,11 @@ def conversation_from_row(row: tuple[Any, ...]) -> ConversationRecord:
     )
 
 
+def response_from_row(row: tuple[Any, ...]) -> ResponseRecord:
+    rid, tenant, status, data, created_at, expires_at = row
+    return ResponseRecord(rid, tenant, status, json.loads(data), created_at, expires_at)
+
+
 __all__ = [
     "ConversationRecord",
     "ConversationTurn",
@@ -210,6 +243,7 @@ __all__ = [
     "IdempotencyKey",
     "InsertOutcome",
     "InsertResult",
+    "ResponseRecord",
     "Store",
     "TERMINAL_STATUSES",
     "TurnAppend",

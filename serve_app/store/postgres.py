@@ -38,6 +38,9 @@ SCHEMA = [
         expires_at DOUBLE PRECISION NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS owners (
         owner TEXT PRIMARY KEY, heartbeat_at DOUBLE PRECISION NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS responses (
+        id TEXT PRIMARY KEY, tenant TEXT NOT NULL, status TEXT NOT NULL, data TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL)""",
 ]
 # Advisory lock ids: schema creation (concurrent CREATE ... IF NOT EXISTS can still collide).
 SCHEMA_LOCK = 7_324_001

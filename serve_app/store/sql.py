@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from serve_app.store.base import (
     CONV_COLUMNS,
     GEN_COLUMNS,
+    RESPONSE_COLUMNS,
     UNFINISHED_STATUSES,
     ConversationRecord,
     ConversationTurn,
@@ -25,10 +26,12 @@ from serve_app.store.base import (
     IdempotencyKey,
     InsertOutcome,
     InsertResult,
+    ResponseRecord,
     Store,
     TurnAppend,
     conversation_from_row,
     generation_from_row,
+    response_from_row,
 )
 
 
@@ -262,13 +265,46 @@ class SQLStore(Store):
             )
             return cursor.rowcount == 1
 
+    # ------------------------------------------------------------------ responses
+
+    def insert_response(self, record: ResponseRecord) -> None:
+        with self._write() as db:
+            db.execute(
+                f"INSERT INTO responses ({RESPONSE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    record.id,
+                    record.tenant,
+                    record.status,
+                    json.dumps(record.data),
+                    record.created_at,
+                    record.expires_at,
+                ),
+            )
+
+    def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
+        with self._read() as db:
+            row = db.execute(
+                f"SELECT {RESPONSE_COLUMNS} FROM responses WHERE id = ? AND tenant = ?"
+                " AND expires_at > ?",
+                (response_id, tenant, self.clock()),
+            ).fetchone()
+        return None if row is None else response_from_row(row)
+
+    def delete_response(self, tenant: str, response_id: str) -> bool:
+        with self._write() as db:
+            cursor = db.execute(
+                "DELETE FROM responses WHERE id = ? AND tenant = ? AND expires_at > ?",
+                (response_id, tenant, self.clock()),
+            )
+            return cursor.rowcount == 1
+
     # ---------------------------------------------------------------------- upkeep
 
     def purge_expired(self) -> int:
         now = self.clock()
         with self._write() as db:
             removed = 0
-            for table in ("generations", "idempotency_keys", "conversations"):
+            for table in ("generations", "idempotency_keys", "conversations", "responses"):
                 cursor = db.execute(
                     f"DELETE FROM {table} WHERE expires_at IS NOT NULL AND expires_at <= ?",
                     (now,),

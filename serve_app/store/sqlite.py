@@ -33,6 +33,10 @@ CREATE TABLE IF NOT EXISTS conversations (
     updated_at REAL NOT NULL, expires_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS owners (owner TEXT PRIMARY KEY, heartbeat_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, status TEXT NOT NULL, data TEXT NOT NULL,
+    created_at REAL NOT NULL, expires_at REAL NOT NULL
+);
 """
 
 

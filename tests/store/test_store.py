@@ -20,6 +20,7 @@ from serve_app.store.base import (
     GenerationRecord,
     IdempotencyKey,
     InsertOutcome,
+    ResponseRecord,
     Store,
     TurnAppend,
 )
@@ -235,6 +236,43 @@ def test_conversations_are_tenant_scoped(store: Store) -> None:
     assert store.delete_conversation("t1", "conv_1")
     assert store.get_conversation("t1", "conv_1") is None
     assert not store.delete_conversation("t1", "conv_1")
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def response(rid: str = "resp_1", tenant: str = "t1", expires_at: float = 2e6) -> ResponseRecord:
+    data = {"response": {"output": [{"type": "message"}]}, "context": [{"role": "user"}]}
+    return ResponseRecord(rid, tenant, "completed", data, 1.0, expires_at)
+
+
+def test_responses_are_tenant_scoped_deleted_once_and_survive_a_restart(
+    open_backend: Opener,
+) -> None:
+    first = open_backend()
+    first.insert_response(response())
+    first.insert_response(response("resp_2"))
+    first.close()
+    store = open_backend()
+    got = store.get_response("t1", "resp_1")
+    assert got is not None and got == response()
+    # Another tenant reads, and deletes, nothing.
+    assert store.get_response("t2", "resp_1") is None
+    assert not store.delete_response("t2", "resp_1")
+    assert store.delete_response("t1", "resp_1")
+    assert not store.delete_response("t1", "resp_1")
+    assert store.get_response("t1", "resp_1") is None
+    assert store.get_response("t1", "resp_2") is not None
+
+
+def test_expired_responses_read_as_absent_then_are_purged(store: Store, clock: FakeClock) -> None:
+    store.insert_response(response("resp_old", expires_at=clock.now + 5))
+    store.insert_response(response("resp_new", expires_at=clock.now + 50))
+    clock.now += 6
+    assert store.get_response("t1", "resp_old") is None
+    assert not store.delete_response("t1", "resp_old")
+    assert store.purge_expired() == 1
+    assert store.get_response("t1", "resp_new") is not None
 
 
 # -------------------------------------------------------------------------- expiry
