@@ -311,6 +311,9 @@ def _add_conformance(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--limited-key", metavar="K", help="a key with max_concurrent_requests: 1 (429)"
     )
+    run.add_argument(
+        "--restricted-key", metavar="K", help="a key that may not use the served model (403)"
+    )
     run.add_argument("--model", metavar="M", help="the model id (default: the first listed)")
     run.add_argument("--out", metavar="RESULT.json", help="where the record goes")
     run.add_argument(
@@ -366,6 +369,7 @@ def cmd_conformance_run(args: argparse.Namespace) -> int:
         admin_key=args.admin_key,
         model=args.model,
         limited_key=args.limited_key,
+        restricted_key=args.restricted_key,
     )
 
     def progress(record) -> None:

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -19,6 +20,7 @@ from serve_app.access.proxy_keys import register_keys, unregister_keys
 from serve_app.backpressure import proxy_hold as proxy_flow
 from serve_app.config.options import ServeConfig
 from serve_app.config.public_bind import proxy_host, refuse_open_public_bind
+from serve_app.errors.fault_injection import FaultInjectionMiddleware
 from serve_app.generations.routes import GenerationsAPI
 from serve_app.grammar.schema_limits import SchemaLimits, configure_schema_limits
 from serve_app.metrics import record_outcome
@@ -86,6 +88,8 @@ class Ingress:
         # This replica's environment is the head raylet's, as the proxy's is.
         if not proxy_flow.is_enabled():
             logger.warning(proxy_flow.MISSING_HOOK_WARNING)
+        if config.fault_injection:
+            logger.warning("fault injection is on: X-Fault-Injection answers 500 (test builds)")
 
     def __del__(self) -> None:
         unregister_keys(getattr(self, "_keys_owner", None))
@@ -127,8 +131,12 @@ class Ingress:
             ],
             # Every failure, the router's 404 / 405 included, in the one error shape.
             exception_handlers=errors.exception_handlers(on_error),
-            # Authentication and the body cap come before any route runs.
-            middleware=[access_middleware(self.config)],
+            # Authentication and the body cap come before any route runs (and before an
+            # injected fault, in a test build).
+            middleware=[
+                access_middleware(self.config),
+                *([Middleware(FaultInjectionMiddleware)] if self.config.fault_injection else []),
+            ],
         )
 
     async def health(self, request: Request) -> Response:

@@ -12,6 +12,7 @@ from serve_app.backpressure import proxy_hold as proxy_flow
 from serve_app.checkpoints.prompt_encoding import TOKENIZATION_RULES
 from serve_app.config.options import ServeConfig
 from serve_app.config.profiles import generations_info
+from serve_app.errors.fault_injection import fault_injection_info
 from serve_app.openai.request_ids import MAX_ID_CHARS
 from serve_app.parsers.chat_output import DEFAULT_TOOL_PARSER
 from serve_app.parsers.reasoning import ThinkReasoningParser
@@ -130,6 +131,7 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "best effort on GPU in bf16"
         ),
         "errors": errors.TAXONOMY,
+        "fault_injection": fault_injection_info(config.fault_injection),
         "outcomes": outcomes.published(),
         "engine": {
             "tensor_parallel_size": config.engine.tensor_parallel_size,

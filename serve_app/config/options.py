@@ -138,6 +138,9 @@ class ServeConfig(BaseModel):
     cpu_deployments_on_head: bool = True
     # How long a completed request's result is kept for replay under its X-Request-Id.
     request_id_retention_s: float = Field(600.0, ge=0)
+    # Test builds only: a request carrying `X-Fault-Injection: internal_error` fails inside
+    # the server once authenticated (a 500), so the conformance suite can show that class.
+    fault_injection: bool = False
     engine: EngineOptions = EngineOptions()
     grammar: GrammarOptions = GrammarOptions()
     limits: LimitOptions = LimitOptions()

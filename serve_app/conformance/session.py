@@ -25,6 +25,8 @@ class Target:
     model: str | None = None
     # A key whose limits say `max_concurrent_requests: 1`: the 429 case needs one.
     limited_key: str | None = None
+    # A key whose `models` leave out the served one: the 403 case needs one.
+    restricted_key: str | None = None
     timeout_s: float = 120.0
 
     @property

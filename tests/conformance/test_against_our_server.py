@@ -24,8 +24,14 @@ from tests.support.rewriting_proxy import Rewrite, rewriting_proxy, walk_logprob
 
 pytestmark = pytest.mark.serve
 
-# What an open server without a fault-injection setting cannot be made to show.
-UNSUPPORTED_HERE = {"error-auth", "error-concurrency-limit", "error-internal"}
+# What an open server without a fault-injection setting cannot be made to show (the keyed
+# server of test_keyed_server.py shows them).
+UNSUPPORTED_HERE = {
+    "error-auth",
+    "error-concurrency-limit",
+    "error-internal",
+    "error-model-not-permitted",
+}
 # The cases the changed servers are run on (a proxy buffers streams: no lifecycle cases).
 PROXIED = [
     "server-info",
@@ -61,6 +67,12 @@ def test_a_clean_run_has_no_contract_violation(baseline):
     assert generation["token_ids"] and generation["logprobs"][0]["top"]
     # Held to a baseline through the admin port, not just "it answered".
     assert baseline.case("cancellation")["observation"]["back_to_baseline"] is True
+    # The task family: a retrievable resource, a replay under its key, a settled cancel.
+    assert baseline.case("generations-resource")["observation"]["retrieved_equal"] is True
+    assert baseline.case("generations-idempotency")["observation"]["same_resource"] is True
+    assert baseline.case("generations-cancel")["observation"]["repeat_unchanged"] is True
+    limit = baseline.case("error-generation-limit")["outputs"]["error"]
+    assert (limit["status"], limit["code"]) == (422, "max_tokens_exceeded")
 
 
 def test_the_command_writes_a_record(serve_url, tmp_path):
@@ -214,3 +226,18 @@ def test_an_added_field_declared_in_the_changes_file_is_intended(serve_url, base
     assert kinds(report, Classification.INTENDED) >= {("logprobs-chat", "field_added")}
     undeclared = diff(baseline, new)
     assert ("logprobs-chat", "field_added") in kinds(undeclared, Classification.REGRESSION)
+
+
+def test_without_the_setting_the_fault_header_changes_nothing(serve_url):
+    import httpx
+
+    info = httpx.get(f"{serve_url}/v1/server_info", timeout=30).json()
+    assert info["fault_injection"] == {"enabled": False}
+    body = {"prompt": "hi", "max_tokens": 1, "model": info["model"]}
+    r = httpx.post(
+        f"{serve_url}/v1/completions",
+        json=body,
+        headers={"X-Fault-Injection": "internal_error"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text

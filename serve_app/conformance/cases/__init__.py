@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from serve_app.conformance.cases import (  # noqa: F401  (each module registers its cases)
     errors,
+    generations,
     identity,
     lifecycle,
     sampling,
@@ -13,8 +14,16 @@ from serve_app.conformance.cases import (  # noqa: F401  (each module registers 
 from serve_app.conformance.cases.base import REGISTRY, Case
 
 # The order cases run and are listed in: what the server is, then what it generates, then
-# how it refuses, then a request's life (the slowest last).
-MODULE_ORDER = ("identity", "streaming", "sampling", "structured", "errors", "lifecycle")
+# how it refuses, then the task family's resources, then a request's life (the slowest last).
+MODULE_ORDER = (
+    "identity",
+    "streaming",
+    "sampling",
+    "structured",
+    "errors",
+    "generations",
+    "lifecycle",
+)
 
 
 def ordered() -> list[Case]:

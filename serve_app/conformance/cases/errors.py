@@ -249,7 +249,38 @@ def _poll(s: Session, record: CaseRecord, body: dict, done) -> tuple[tuple, floa
 
 @case("error-internal", "an internal error is 500 internal_error in the error shape")
 def internal(s: Session, record: CaseRecord) -> None:
-    record.unsupported(
-        "no request can make a healthy server fail inside; this needs a server started with a "
-        "fault-injection setting that answers 500, and none is published in /v1/server_info"
-    )
+    faults = (s.server_info or {}).get("fault_injection") or {}
+    if not faults.get("enabled") or "internal_error" not in (faults.get("faults") or ()):
+        record.unsupported(
+            "no request can make a healthy server fail inside; this needs a server started "
+            "with a fault-injection setting that answers 500 (/v1/server_info: fault_injection)"
+        )
+    body = chat_body(s, "hi", max_tokens=1)
+    headers = {faults.get("header") or "X-Fault-Injection": "internal_error"}
+    answer = raw_post(s, record, "request", CHAT, body, headers)
+    facts = expect_error(record, "error", answer, 500, ("internal_error",))
+    # A 500 says whether a repeat is safe: the official client retries 5xx by itself unless
+    # told `x-should-retry: false` (docs/contract.md#retry-headers).
+    stated = facts["headers"]["x-should-retry"]
+    record.check(stated in ("true", "false"), f"error: x-should-retry {stated!r} not stated")
+    after = raw_post(s, record, "after", CHAT, body)
+    record.observation["served_after_the_fault"] = after[0] == 200
+    record.check(after[0] == 200, f"after the fault: HTTP {after[0]}, the server stopped serving")
+
+
+@case(
+    "error-model-not-permitted",
+    "a key that may not use the model is 403 model_not_permitted, and /v1/models hides it",
+)
+def model_not_permitted(s: Session, record: CaseRecord) -> None:
+    key = s.target.restricted_key
+    if not key:
+        record.unsupported("needs --restricted-key, a key whose models leave out the served one")
+    headers = {"Authorization": f"Bearer {key}"}
+    answer = raw_post(s, record, "request", CHAT, chat_body(s, "hi", max_tokens=1), headers)
+    expect_error(record, "error", answer, 403, ("model_not_permitted",))
+    r = s.http.get("/v1/models", headers=headers)
+    listed = [m.get("id") for m in (_json(r) or {}).get("data") or []] if r.is_success else None
+    record.outputs["models_listed"] = {"status": r.status_code, "value": listed}
+    record.check(r.status_code == 200, f"/v1/models for the restricted key: HTTP {r.status_code}")
+    record.check(s.model not in (listed or []), f"/v1/models lists {s.model} to a key without it")
