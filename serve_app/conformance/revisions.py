@@ -10,6 +10,7 @@ the venv that runs this command. Exit status: 0, or 1 when the diff finds a regr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -57,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     with worktree(repo, sha) as tree:
         _say(f"{args.rev} ({sha[:12]}) checked out in {tree}")
         serve_app = revision_venv(tree, out / "pip.log") / "bin" / "serve-app"
-        old = serve_and_run([str(serve_app)], tree, model, out / "old", args.fast)
+        # Fault injection only where both revisions have the setting (a verdict moves else).
+        faults = knows_fault_injection(tree)
+        old = serve_and_run([str(serve_app)], tree, model, out / "old", args.fast, faults)
     here = [sys.executable, "-m", "serve_app.cli"]
-    new = serve_and_run(here, repo, model, out / "new", args.fast)
+    new = serve_and_run(here, repo, model, out / "new", args.fast, faults)
     report = diff_records(old, new, changes)
     md, js = write_report(report, out / "report")
     _say(f"{report.summary_line()} in {time.monotonic() - started:.0f} s")
@@ -130,12 +133,71 @@ def _torch_version() -> str:
     return version("torch").split("+")[0]
 
 
-def serve_and_run(command: list[str], cwd: Path, model: Path, out: Path, fast: bool) -> Record:
+# The served setup, the same for both revisions, so that every case the suite can provoke
+# runs: keys for 401 / 403 / 429, a generation profile for the task family, the admin key.
+KEYS = {
+    "sk-conformance": {"id": "conformance", "tenant": "conformance"},
+    "sk-conformance-one": {
+        "id": "conformance-one",
+        "tenant": "conformance",
+        "limits": {"max_concurrent_requests": 1},
+    },
+    "sk-conformance-other-model": {
+        "id": "conformance-other-model",
+        "tenant": "conformance",
+        "models": ["some-other-model"],
+    },
+}
+ADMIN_KEY = "sk-conformance-admin"
+PROFILE = {
+    "name": "conformance_text",
+    "instructions": "You answer customers briefly.",
+    "default_max_output_tokens": 16,
+    "max_output_tokens": 400,
+}
+
+
+def knows_fault_injection(tree: Path) -> bool:
+    return "fault_injection" in (tree / "serve_app" / "config" / "options.py").read_text()
+
+
+def served_setup(out: Path, faults: bool) -> tuple[list[str], Target]:
+    """The `serve` flags of one side (its config and keys files, its own data folder) and the
+    suite's keys; the target's URLs are filled in by the caller."""
+    import yaml
+
+    from serve_app.access.keys import hash_key
+
+    keys = out.with_suffix(".keys.yaml")
+    entries = [{"sha256": hash_key(k), **e} for k, e in KEYS.items()]
+    keys.write_text(yaml.safe_dump({"keys": entries}))
+    config = {
+        "admin_api_key": ADMIN_KEY,
+        "generations": {"data_dir": str(out.with_suffix(".data")), "profiles": [PROFILE]},
+    }
+    if faults:
+        config["fault_injection"] = True
+    path = out.with_suffix(".config.yaml")
+    path.write_text(yaml.safe_dump(config))
+    target = Target(
+        "",
+        api_key="sk-conformance",
+        admin_key=ADMIN_KEY,
+        limited_key="sk-conformance-one",
+        restricted_key="sk-conformance-other-model",
+    )
+    return ["--config", str(path), "--api-keys", str(keys)], target
+
+
+def serve_and_run(
+    command: list[str], cwd: Path, model: Path, out: Path, fast: bool, faults: bool
+) -> Record:
     """Serve `model` with `command` (a `serve-app`) on free ports, run the suite, stop."""
     port, admin_port = _free_port(), _free_port()
     log = out.with_suffix(".server.log")
+    flags, keyed = served_setup(out, faults)
     serve = [*command, "serve", "--model", str(model), "--port", str(port)]
-    serve += ["--admin-port", str(admin_port)]
+    serve += ["--admin-port", str(admin_port), *flags]
     _say(f"serving {cwd} on port {port} (log: {log})")
     with log.open("w") as sink:
         # Its own process group: the stop below reaches the server and nothing else.
@@ -145,7 +207,8 @@ def serve_and_run(command: list[str], cwd: Path, model: Path, out: Path, fast: b
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, proc, log)
-            target = Target(url, admin_url=f"http://127.0.0.1:{admin_port}")
+            admin = f"http://127.0.0.1:{admin_port}"
+            target = dataclasses.replace(keyed, base_url=url, admin_url=admin)
             record = run_suite(target, select(fast=fast))
         finally:
             _stop(proc)
