@@ -13,36 +13,18 @@ from typing import Any
 from starlette.requests import Request
 
 from actors.messages import EngineRequest
-from serve_app import errors
 from serve_app.access.budgets import reserve_budget
 from serve_app.access.keys import principal_of
 from serve_app.access.output_budget import output_budget, server_and_key_caps
 from serve_app.access.prefix_scope import prefix_namespace
 from serve_app.access.static_limits import check_prompt_tokens
 from serve_app.config.options import ServeConfig
-from serve_app.grammar.spec import GrammarSpec
 from serve_app.openai.format import ChoiceState, Formatter
 from serve_app.openai.token_text import TokenTexts
 from serve_app.parsers.chat_output import ChoiceParser, ParseOptions
 from serve_app.protocol import Usage, new_id
-
-TIMEOUT_HEADER = "x-request-timeout-ms"
-
-
-def client_timeout_s(request: Request, req: Any) -> float | None:
-    """The client's deadline: the `X-Request-Timeout-Ms` header or the `timeout` field
-    (seconds); the stricter one wins when both are given."""
-    candidates = [req.timeout] if req.timeout else []
-    header = request.headers.get(TIMEOUT_HEADER)
-    if header is not None:
-        try:
-            ms = float(header)
-        except ValueError:
-            raise errors.invalid_request(f"{TIMEOUT_HEADER} must be a number", "timeout") from None
-        if not ms > 0:
-            raise errors.invalid_request(f"{TIMEOUT_HEADER} must be > 0", "timeout")
-        candidates.append(ms / 1000.0)
-    return min(candidates) if candidates else None
+from serve_app.protocol.deadlines import client_timeout_s
+from serve_app.workers.constraint import start_grammar
 
 
 @dataclass
@@ -157,35 +139,6 @@ class OpenAIAdmission:
         return job
 
     async def start_grammar(self, req: Any, parse: ParseOptions | None) -> list[object] | None:
-        spec = req.grammar_spec()
-        if spec is None:
-            return None
-        param = req.grammar_param()
-        if not self.identity.get("grammar", {}).get("available"):
-            raise errors.unsupported_parameter(
-                param or "response_format", "structured output is unavailable on this server"
-            )
-        # Tool grammars are generated from `tools`, which the body limit already bounds.
-        if param != "tool_choice" and len(spec.spec.encode()) > self.config.grammar.max_spec_bytes:
-            raise errors.invalid_request(
-                f"grammar spec is larger than {self.config.grammar.max_spec_bytes} bytes", param
-            )
-        spec = self.after_reasoning(req, spec, param, parse)
-        # Boxed so the engine call does not wait for it: prefill overlaps compilation.
-        ref = await self.grammar.compile.remote(spec)._to_object_ref()
-        return [ref]
-
-    def after_reasoning(
-        self, req: Any, spec: GrammarSpec, param: str | None, parse: ParseOptions | None
-    ) -> GrammarSpec:
-        """The constraint, moved after the reasoning span when the request lets the model
-        think first (or the prompt already opened the span); strict: the span is required."""
-        strict = bool(getattr(req, "strict_thinking", False))
-        if strict and not getattr(self.config.grammar, "strict_thinking", False):
-            raise errors.unsupported_parameter(
-                "strict_thinking", "this server was not started with grammar.strict_thinking"
-            )
-        opens = parse is not None and parse.starts_in_reasoning
-        if not (strict or opens or (parse is not None and parse.reasoning and req.thinking)):
-            return spec
-        return GrammarSpec.after_reasoning(spec, strict=strict, starts_in_reasoning=opens)
+        return await start_grammar(
+            req, parse, identity=self.identity, options=self.config.grammar, compiler=self.grammar
+        )

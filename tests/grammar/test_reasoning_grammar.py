@@ -118,13 +118,10 @@ STRICT_BODY = {
 }
 
 
-def admission_for(model_path: str, **grammar_options):
+def grammar_options_for(model_path: str, **grammar_options):
     from serve_app.config.options import ServeConfig
-    from serve_app.openai.admission import OpenAIAdmission
 
-    config = ServeConfig(model=model_path, grammar=grammar_options)
-    identity = {"max_model_len": 256, "grammar": {"available": True}}
-    return OpenAIAdmission(config, identity, texts=None, grammar=None)
+    return ServeConfig(model=model_path, grammar=grammar_options).grammar
 
 
 def test_strict_thinking_requires_the_block_where_the_server_offers_it(
@@ -135,8 +132,10 @@ def test_strict_thinking_requires_the_block_where_the_server_offers_it(
 
     req = parse_request("chat", STRICT_BODY)
     parse = chat_parse_options(req, "<|im_start|>assistant\n")
-    admission = admission_for(model_path, strict_thinking=True)
-    spec = admission.after_reasoning(req, req.grammar_spec(), req.grammar_param(), parse)
+    from serve_app.workers.constraint import after_reasoning
+
+    options = grammar_options_for(model_path, strict_thinking=True)
+    spec = after_reasoning(req, req.grammar_spec(), parse, options)
     payload = compile_spec(service, spec.kind, spec.spec)
     assert accepts(engine_cache, payload, THINK + '{"n": 1}')
     assert not accepts(engine_cache, payload, '{"n": 1}')
@@ -145,10 +144,11 @@ def test_strict_thinking_requires_the_block_where_the_server_offers_it(
 def test_strict_thinking_is_refused_where_the_server_does_not_offer_it(model_path):
     from serve_app.errors import APIError
     from serve_app.protocol import parse_request
+    from serve_app.workers.constraint import after_reasoning
 
     req = parse_request("chat", STRICT_BODY)
     with pytest.raises(APIError) as info:
-        admission_for(model_path).after_reasoning(req, req.grammar_spec(), None, None)
+        after_reasoning(req, req.grammar_spec(), None, grammar_options_for(model_path))
     assert (info.value.code, info.value.param) == ("unsupported_parameter", "strict_thinking")
 
 
