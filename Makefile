@@ -9,7 +9,7 @@ DEMO_PRESET := smollm2-135m-instruct
 DEMO_MODEL ?= $(HOME)/.cache/serve-app/models/$(DEMO_PRESET)
 DEMO_TEMPLATE := serve_app/checkpoints/smollm2_tools.jinja
 
-.PHONY: venv kernels demo-model serve test lint bench clean conformance-diff
+.PHONY: venv kernels demo-model serve test lint bench clean conformance-diff conformance-peers
 
 venv: $(STAMP)
 
@@ -65,6 +65,11 @@ REV ?=
 conformance-diff: $(STAMP) kernels
 	@test -n "$(REV)" || { echo "usage: make conformance-diff REV=<git rev> [MODEL=DIR]"; exit 2; }
 	$(PY) -m serve_app.conformance.revisions $(REV) $(if $(strip $(MODEL)),--model $(MODEL))
+
+# The suite against vLLM's CPU build and `transformers serve` beside ours, on the trained demo
+# model (vLLM's venv is set up on first use): records, diffs and the side-by-side table.
+conformance-peers: $(STAMP) kernels demo-model
+	$(PY) benchmarks/conformance_peers.py --out benchmarks/results/conformance_peers
 
 # Every benchmark, one after the other (each needs the cores to itself); JSON + PNG each.
 # The trained demo model by default; the seeded `bench` shape beside it (`*_bench.json`).
