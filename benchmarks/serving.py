@@ -295,6 +295,11 @@ def main() -> None:
         action="store_true",
         help="only JSON-schema vs unconstrained streams at 16 (--runs interleaved pairs)",
     )
+    parser.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="the ingress replica serves HTTP itself (ServeConfig.direct_ingress)",
+    )
     args = parser.parse_args()
     from serve_app.config.options import ServeConfig
     from serve_app.server import start, stop
@@ -309,6 +314,7 @@ def main() -> None:
         model=path,
         port=port,
         admin_port=admin_port,
+        direct_ingress=args.direct_ingress,
         engine={"replica_cpus": args.threads, "max_model_len": 1024, **UNBOUNDED_QUEUE},
     )
     url = start(config, ray_init_kwargs={"num_cpus": 8})
@@ -318,6 +324,7 @@ def main() -> None:
         "threads": args.threads,
         "replica_cpus": args.threads,
         "runs_per_comparison": args.runs,
+        "direct_ingress": args.direct_ingress,
     }
     try:
         model = config.model_id

@@ -58,6 +58,7 @@ class Ingress:
     ):
         # Under serve run / serve deploy the proxy's address is Serve's, not ServeConfig's.
         refuse_open_public_bind(config, proxy_host())
+        ray_env.refuse_missing_direct_ingress(config.direct_ingress, config.port)
         self.config = config
         self.identity = identity
         self.created = int(time.time())

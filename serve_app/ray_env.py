@@ -16,6 +16,11 @@ its processes (controller, proxy, replicas) starts, and they inherit it from the
   streams made ~20% more tokens/s (docs/benchmarks.md). Sync methods still run in Serve's
   thread pool, so a blocking call never holds the loop.
 
+- Serve's direct ingress, where `ServeConfig.direct_ingress` asks for it
+  (`direct_ingress_settings`): the ingress replica serves HTTP on the server's port itself,
+  so a token's SSE event is written by the process that framed it instead of crossing to
+  Serve's proxy first (docs/operations.md). Serve's proxy hook (above) wraps that server too.
+
 An operator's own value of any setting is left in place. A cluster started by `ray
 start` (or by Ray's `serve run CONFIG`) needs the same settings in that command's
 environment: cluster.yaml has them, docs/deploy.md shows the commands.
@@ -28,6 +33,9 @@ import os
 from serve_app.backpressure import proxy_hold as proxy_flow
 
 GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+DIRECT_PORT_MIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
+DIRECT_PORT_MAX_ENV = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
 # What every node's `ray start` needs in its environment.
 SETTINGS = {
     proxy_flow.CALLBACK_ENV: proxy_flow.CALLBACK_PATH,
@@ -39,10 +47,38 @@ SETTINGS = {
 PROBE_TIMEOUT_S = 60.0
 
 
-def prepare() -> None:
-    """Call before this process starts a local Ray."""
-    for name, value in SETTINGS.items():
+def direct_ingress_settings(port: int) -> dict[str, str]:
+    """Serve 2.60's direct ingress with the (one) ingress replica on `port`: Serve hands each
+    ingress replica a port from [MIN, MAX) of its node, lowest first, and the replica binds it
+    on `http_options.host`."""
+    return {
+        DIRECT_INGRESS_ENV: "1",
+        DIRECT_PORT_MIN_ENV: str(port),
+        DIRECT_PORT_MAX_ENV: str(port + 1),
+        # Serve keeps a released port out of use for 150 s (for an HAProxy in front, which
+        # this server has not): a restarted ingress replica would find no port to bind.
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        # A stopping ingress replica otherwise keeps serving 30 s more, for an external
+        # balancer to notice; it still finishes the requests it holds.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+
+
+def prepare(direct_ingress_port: int | None = None) -> None:
+    """Call before this process starts a local Ray; with a port, Serve's direct ingress on it."""
+    settings = dict(SETTINGS)
+    if direct_ingress_port is not None:
+        settings.update(direct_ingress_settings(direct_ingress_port))
+    for name, value in settings.items():
         os.environ.setdefault(name, value)
+
+
+def serves_direct_ingress(port: int) -> bool:
+    """Whether Serve processes started from this environment give the ingress replica `port`
+    (the ingress replica checks its own, which is its raylet's)."""
+    return os.environ.get(DIRECT_INGRESS_ENV) == "1" and (
+        os.environ.get(DIRECT_PORT_MIN_ENV) == str(port)
+    )
 
 
 def head_has_proxy_hook() -> bool:
@@ -55,6 +91,17 @@ def head_has_proxy_hook() -> bool:
 
     probe = ray.remote(num_cpus=0, resources=HEAD_ONLY)(proxy_flow.is_enabled)
     return bool(ray.get(probe.remote(), timeout=PROBE_TIMEOUT_S))
+
+
+def refuse_missing_direct_ingress(direct_ingress: bool, port: int) -> None:
+    """Raise (in the ingress replica: the deploy fails) where `direct_ingress` is asked of a
+    Serve started without it: the app would answer only on Serve's proxy, elsewhere."""
+    if direct_ingress and not serves_direct_ingress(port):
+        raise RuntimeError(
+            f"direct_ingress: this Ray's Serve was not started with {DIRECT_INGRESS_ENV}=1 and "
+            f"{DIRECT_PORT_MIN_ENV}={port} (serve-app serve sets them when it starts Ray; a "
+            "cluster needs them in its `ray start` environment, docs/deploy.md)"
+        )
 
 
 def grpc_data_plane() -> bool:

@@ -49,7 +49,7 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     starts_ray = not ray.is_initialized() and not config.ray_address
     if starts_ray:
         # Before Ray starts: its proxy and replicas inherit this process's environment.
-        ray_env.prepare()
+        ray_env.prepare(config.port if config.direct_ingress else None)
     # The app's modules (torch, xgrammar, transformers) and its identity (weight hashes, the
     # grammar backend's probe) cost the driver seconds of CPU; they need no Ray, so they are
     # done while Ray starts.
@@ -64,8 +64,11 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     from serve_app.app import APP_NAME, build_app, engine_placement
 
     _quiet_serve_driver_log()
-    # NOTE: one proxy, on the head: the public address of a cluster is its head node.
-    serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port})
+    # NOTE: one proxy, on the head: the public address of a cluster is its head node. With
+    # direct ingress the ingress replica binds `port` and Serve (2.60) still starts its proxy,
+    # on the same host: there on a port the OS picks, serving the same app with the same hook.
+    proxy_port = 0 if config.direct_ingress else config.port
+    serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": proxy_port})
     # The app brings its admin API with it (app.py); the proxy hook is the head's raylet's.
     if not (proxy_flow.is_enabled() if starts_ray else ray_env.head_has_proxy_hook()):
         logger.warning(proxy_flow.MISSING_HOOK_WARNING)

@@ -134,6 +134,9 @@ class ServeConfig(BaseModel):
     # sqlite:///PATH or postgresql://...
     store: str | None = None
     ray_address: str | None = None
+    # The ingress replica serves `host:port` itself (Serve's direct ingress) instead of Serve's
+    # proxy, which moves to a port the OS picks: less CPU per streamed token (docs/operations.md).
+    direct_ingress: bool = False
     # Ingress, tokenizer and grammar (CPU only) run on the Ray head node, not on GPU nodes.
     cpu_deployments_on_head: bool = True
     # How long a completed request's result is kept for replay under its X-Request-Id.
@@ -165,6 +168,8 @@ class ServeConfig(BaseModel):
         self._check_output_format_limits()
         tenants = {k.tenant for k in self.api_keys.keys} if self.api_keys else {DEFAULT_TENANT}
         check_shared_tenants(self.engine.shared_prefix_tenants, tenants)
+        if self.direct_ingress and self.port == 0:
+            raise ValueError("port: direct_ingress needs a fixed port (Serve binds it by number)")
         if not is_loopback(self.host) and self.api_keys is None:
             raise ValueError(
                 f"host: refusing to bind {self.host} (not loopback) without API keys "

@@ -56,3 +56,25 @@ def test_the_ingress_streams_on_its_own_nodes_data_plane(grpc, monkeypatch, mode
     assert ingress.openai.tokenizer.given.get("_by_reference") is by_reference
     for grammar in (ingress.openai.admission.grammar, ingress.generations.runner.grammar):
         assert grammar.given == {"_by_reference": True}
+
+
+def test_direct_ingress_gives_the_ingress_replica_the_servers_port(monkeypatch):
+    for name in ray_env.direct_ingress_settings(0):
+        monkeypatch.setenv(name, "")  # recorded, so what prepare() sets is undone after
+        monkeypatch.delenv(name)
+    with pytest.raises(RuntimeError, match="direct_ingress: this Ray's Serve"):
+        ray_env.refuse_missing_direct_ingress(True, 8123)
+    ray_env.refuse_missing_direct_ingress(False, 8123)  # not asked: nothing to check
+
+    ray_env.prepare(8123)
+    assert ray_env.serves_direct_ingress(8123)
+    ray_env.refuse_missing_direct_ingress(True, 8123)
+    with pytest.raises(RuntimeError, match="MIN_HTTP_PORT=9000"):
+        ray_env.refuse_missing_direct_ingress(True, 9000)  # Serve binds another port
+
+
+def test_direct_ingress_needs_a_fixed_port(model_dirs):
+    from serve_app.config.options import ServeConfig
+
+    with pytest.raises(ValueError, match="port: direct_ingress needs a fixed port"):
+        ServeConfig(model=str(model_dirs("llama")), port=0, direct_ingress=True)
