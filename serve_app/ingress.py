@@ -26,6 +26,7 @@ from serve_app.grammar.schema_limits import SchemaLimits, configure_schema_limit
 from serve_app.metrics import record_outcome
 from serve_app.openai.routes import OpenAIHandlers
 from serve_app.openapi.public import openapi_route
+from serve_app.responses.routes import ResponsesAPI
 from serve_app.server_info import server_info
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ class Ingress:
         self.generations = GenerationsAPI(
             config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit
         )
+        self.responses = ResponsesAPI(
+            config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit
+        )
         self._engine = engine_handle
         # Serve's proxy answers /-/routes itself: it checks keys against what this registers.
         self._keys_owner = register_keys(config.api_keys)
@@ -129,6 +133,7 @@ class Ingress:
                 Route("/v1/chat/completions", self.openai.chat, methods=["POST"]),
                 Route("/v1/completions", self.openai.completions, methods=["POST"]),
                 *self.generations.routes(),
+                *self.responses.routes(),
             ],
             # Every failure, the router's 404 / 405 included, in the one error shape.
             exception_handlers=errors.exception_handlers(on_error),

@@ -23,6 +23,8 @@ class OutcomeRow:
     generation: dict[str, str] | None
     batch: dict[str, str] | None
     note: str | None = None
+    # A response's `status` / `incomplete_details.reason` (or its error's code).
+    responses: dict[str, str] | str | None = None
 
 
 OUTCOMES: tuple[OutcomeRow, ...] = (
@@ -32,6 +34,7 @@ OUTCOMES: tuple[OutcomeRow, ...] = (
         {"finish_reason": "stop", "stop_reason": "the matched stop"},
         {"status": "completed", "finish_reason": "stop"},
         {"status": "completed"},
+        responses={"status": "completed"},
     ),
     OutcomeRow(
         "grammar complete, no continuation but the end",
@@ -39,6 +42,7 @@ OUTCOMES: tuple[OutcomeRow, ...] = (
         {"finish_reason": "stop", "stop_reason": "grammar_end"},
         {"status": "completed", "finish_reason": "stop", "note": "value validated"},
         {"status": "completed"},
+        responses={"status": "completed"},
     ),
     OutcomeRow(
         "max tokens",
@@ -46,6 +50,7 @@ OUTCOMES: tuple[OutcomeRow, ...] = (
         {"finish_reason": "length"},
         {"status": "incomplete", "finish_reason": "output_limit"},
         {"status": "incomplete"},
+        responses={"status": "incomplete", "reason": "max_output_tokens"},
     ),
     OutcomeRow(
         "refusal branch taken",
@@ -60,6 +65,7 @@ OUTCOMES: tuple[OutcomeRow, ...] = (
         {"finish_reason": "timeout"},
         {"status": "incomplete", "finish_reason": "timeout"},
         {"status": "failed", "error_code": "timeout"},
+        responses={"status": "incomplete", "reason": "timeout"},
     ),
     OutcomeRow(
         "client cancel / disconnect",
@@ -67,6 +73,7 @@ OUTCOMES: tuple[OutcomeRow, ...] = (
         {"finish_reason": "abort", "note": "stream already closed"},
         {"status": "cancelled", "finish_reason": "cancelled"},
         None,
+        responses="— (cancelled with its request; nothing stored)",
     ),
     OutcomeRow(
         "slow consumer past its hold deadline",
@@ -75,6 +82,7 @@ OUTCOMES: tuple[OutcomeRow, ...] = (
         None,
         None,
         note="generations detach from slow readers instead",
+        responses={"status": "failed", "error_code": "slow_consumer"},
     ),
     OutcomeRow(
         "engine or worker lost, internal error",
@@ -82,6 +90,7 @@ OUTCOMES: tuple[OutcomeRow, ...] = (
         "error frame / 500",
         {"status": "failed", "finish_reason": "error", "error_code": "engine_lost"},
         {"status": "failed", "note": "transient"},
+        responses={"status": "failed", "error_code": "engine_lost"},
     ),
 )
 
@@ -95,6 +104,7 @@ def published() -> list[dict[str, Any]]:
             "openai": row.openai,
             "generation": row.generation,
             "batch": row.batch,
+            "responses": row.responses,
         }
         if row.note is not None:
             item["note"] = row.note
@@ -138,6 +148,17 @@ def batch_status(finish_reason: str | None) -> str:
     return row.batch["status"] if row is not None and row.batch is not None else "failed"
 
 
+def response_end(finish_reason: str, stop_reason: Any = None) -> tuple[str, str | None]:
+    """A response's (status, incomplete reason or error code) for an engine ending; an
+    ending the table does not name is the engine's failure."""
+    row = _row(finish_reason, stop_reason)
+    if row is None or not isinstance(row.responses, dict):
+        row = _row("error")
+    assert row is not None and isinstance(row.responses, dict)
+    words = row.responses
+    return words["status"], words.get("reason") or words.get("error_code")
+
+
 def markdown_table() -> str:
     """The table as docs/outcomes.md shows it."""
 
@@ -152,8 +173,9 @@ def markdown_table() -> str:
 
     lines = [
         "| cause | OpenAI `finish_reason` (`stop_reason`) | generation `status` / "
-        "`finish_reason` | batch `status` |",
-        "|---|---|---|---|",
+        "`finish_reason` | batch `status` | response `status` (`incomplete_details.reason`, "
+        "error `code`) |",
+        "|---|---|---|---|---|",
     ]
     for row in OUTCOMES:
         generation = cell(row.generation, "status", "finish_reason")
@@ -161,6 +183,6 @@ def markdown_table() -> str:
             generation = f"— ({row.note})"
         lines.append(
             f"| {row.cause} | {cell(row.openai, 'finish_reason')} | {generation} | "
-            f"{cell(row.batch, 'status')} |"
+            f"{cell(row.batch, 'status')} | {cell(row.responses, 'status', 'reason')} |"
         )
     return "\n".join(lines) + "\n"

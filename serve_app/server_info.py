@@ -18,6 +18,7 @@ from serve_app.parsers.chat_output import DEFAULT_TOOL_PARSER
 from serve_app.parsers.reasoning import ThinkReasoningParser
 from serve_app.parsers.tools import parser_versions
 from serve_app.resources.idempotency import MAX_IDEMPOTENCY_KEY_CHARS
+from serve_app.responses.protocol import responses_info
 
 # Fields that change nothing here: accepted and ignored (never one that changes output).
 IGNORED_FIELDS = ["user", "metadata", "store", "service_tier"]
@@ -124,8 +125,11 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
                 "a stalled stream reader is detached; only POST /v1/generations/{id}/cancel "
                 "cancels"
             ),
+            "responses": "a response runs inside its request: a client that disconnects "
+            "cancels it and nothing is stored",
         },
         "generations": generations_info(config.generations, config.store),
+        "responses": responses_info(config.responses.retention_s),
         "determinism": (
             "a per-request seed gives the same tokens regardless of batch mates on CPU fp32; "
             "best effort on GPU in bf16"

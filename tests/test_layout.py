@@ -36,7 +36,16 @@ LAYERS: list[tuple[str, list[list[str]], bool]] = [
         ],
         True,
     ),
-    ("API families", [["serve_app.openai"], ["serve_app.generations"], ["serve_app.batch"]], False),
+    (
+        "API families",
+        [
+            ["serve_app.openai"],
+            ["serve_app.generations"],
+            ["serve_app.responses"],
+            ["serve_app.batch"],
+        ],
+        False,
+    ),
     ("the resource layer", [["serve_app.resources"]], False),
     ("deployments", [["serve_app.workers"]], False),
     ("protocol", [["serve_app.protocol"]], False),
@@ -84,7 +93,12 @@ FAMILY_PREFIXES = (
     "grammar_",
 )
 # The modules the ingress replica loads to build the app's routes and admit requests.
-INGRESS_MODULES = ("serve_app.ingress", "serve_app.openai.routes", "serve_app.generations.routes")
+INGRESS_MODULES = (
+    "serve_app.ingress",
+    "serve_app.openai.routes",
+    "serve_app.generations.routes",
+    "serve_app.responses.routes",
+)
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,17 @@ class LimitOptions(BaseModel):
     max_tool_bytes: int = Field(256 * 1024, ge=1)
 
 
+class ResponseOptions(BaseModel):
+    """Settings of `/v1/responses` (its responses live in the same store as generations)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # A stored response is kept this long (OpenAI's 30 days), then reads as absent and is
+    # purged; chaining to it (previous_response_id) ends with it.
+    retention_s: float = Field(30 * 24 * 3600.0, gt=0)
+    purge_interval_s: float = Field(300.0, gt=0)
+
+
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -148,6 +159,7 @@ class ServeConfig(BaseModel):
     grammar: GrammarOptions = GrammarOptions()
     limits: LimitOptions = LimitOptions()
     generations: GenerationOptions = GenerationOptions()
+    responses: ResponseOptions = ResponseOptions()
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

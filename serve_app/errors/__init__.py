@@ -22,6 +22,7 @@ HTTP status (OpenAI's names where OpenAI has one); `code` names the exact cause.
 | 404    | not_found_error         | stop (it does not exist)      | model_not_found,             |
 |        |                         |                               | generation_not_found,        |
 |        |                         |                               | conversation_not_found,      |
+|        |                         |                               | response_not_found,          |
 |        |                         |                               | profile_not_found,           |
 |        |                         |                               | request_not_found (admin),   |
 |        |                         |                               | not_found (unknown route)    |

@@ -63,6 +63,7 @@ TAXONOMY: list[dict[str, Any]] = [
             "model_not_found",
             "generation_not_found",
             "conversation_not_found",
+            "response_not_found",
             "profile_not_found",
             "request_not_found",
         ],

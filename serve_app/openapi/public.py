@@ -34,9 +34,13 @@ from serve_app.openapi.replies import (
     ConversationDeleted,
     Generation,
     Health,
+    InputItemList,
     ModelList,
     OpenAPIDocument,
     OutputDelta,
+    ResponseDeleted,
+    ResponseEvent,
+    ResponseObject,
     ServerInfo,
 )
 from serve_app.protocol import (
@@ -49,12 +53,14 @@ from serve_app.protocol import (
     CompletionResponse,
 )
 from serve_app.resources.idempotency import MAX_IDEMPOTENCY_KEY_CHARS
+from serve_app.responses.protocol import ResponseCreate
 
 PATH = "/openapi.json"
 TITLE = "serve-app"
 VERSION = "1"
 DESCRIPTION = (
-    "OpenAI-compatible chat and completions, and task-style generation resources. Every "
+    "OpenAI-compatible chat and completions, the Responses API, and task-style generation "
+    "resources. Every "
     'error is {"error": {message, type, code, param}}; 4xx carry x-should-retry: false, '
     "429 and 503 carry Retry-After."
 )
@@ -84,6 +90,16 @@ IDEMPOTENCY_KEY = Param(
 )
 GENERATION_ID = Param("generation_id", "path", "A generation's id (`gen_...`).")
 CONVERSATION_ID = Param("conversation_id", "path", "A conversation's id (`conv_...`).")
+RESPONSE_ID = Param("response_id", "path", "A stored response's id (`resp_...`).")
+# Every typed event of a streamed response; the last is its terminal one.
+RESPONSE_EVENTS = (
+    "response.created", "response.in_progress", "response.output_item.added",
+    "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+    "response.reasoning_text.delta", "response.reasoning_text.done",
+    "response.content_part.done", "response.function_call_arguments.delta",
+    "response.function_call_arguments.done", "response.output_item.done",
+    "response.completed", "response.incomplete", "response.failed",
+)  # fmt: skip
 
 OPERATIONS: list[Operation] = [
     Operation(
@@ -118,6 +134,31 @@ OPERATIONS: list[Operation] = [
             CompletionResponse, stream=_openai_stream(CompletionChunk),
         )},
         errors=ADMITTED, body=CompletionRequest, params=(REQUEST_ID,),
+    ),
+    Operation(
+        "post", "/v1/responses", "create_response", "Create a response.", "responses",
+        {200: Reply(
+            "The response; with `stream: true`, its typed events, the terminal one last.",
+            ResponseObject,
+            stream=Stream({name: (ResponseEvent,) for name in RESPONSE_EVENTS}),
+        )},
+        errors=ADMITTED, body=ResponseCreate,
+    ),
+    Operation(
+        "get", "/v1/responses/{response_id}", "get_response", "A stored response.",
+        "responses", {200: Reply("The response.", ResponseObject)}, errors=(400, 404, 500),
+        params=(RESPONSE_ID,),
+    ),
+    Operation(
+        "delete", "/v1/responses/{response_id}", "delete_response", "Delete a response.",
+        "responses", {200: Reply("Deleted.", ResponseDeleted)}, errors=(404, 500),
+        params=(RESPONSE_ID,),
+    ),
+    Operation(
+        "get", "/v1/responses/{response_id}/input_items", "list_input_items",
+        "A stored response's input items.", "responses",
+        {200: Reply("The input items, newest first unless order=asc.", InputItemList)},
+        errors=(400, 404, 500), params=(RESPONSE_ID,),
     ),
     Operation(
         "post", "/v1/generations", "create_generation", "Start a generation.", "generations",
@@ -177,6 +218,9 @@ def public_document(
         title=TITLE, version=VERSION, description=DESCRIPTION, operations=OPERATIONS, keyed=keyed
     )
     schemas = doc["components"]["schemas"]
+    responses = schemas[ResponseCreate.__name__]["properties"]
+    if model_ids:
+        responses["model"] = _one_of(model_ids, "The served model (others: 404).")
     for name in (ChatCompletionRequest.__name__, CompletionRequest.__name__):
         properties = schemas[name]["properties"]
         if model_ids:

@@ -118,3 +118,48 @@ class OpenAPIDocument(Open):
     openapi: str
     info: dict[str, Any]
     paths: dict[str, Any]
+
+
+class ResponseUsage(Open):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(Open):
+    """A response of `/v1/responses`, as created, streamed and stored."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage | None
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    previous_response_id: str | None
+    store: bool
+
+
+class ResponseEvent(Open):
+    """One typed event of a streamed response (`type` names it, as the SSE event does)."""
+
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(Open):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: Literal[True]
+
+
+class InputItemList(Open):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

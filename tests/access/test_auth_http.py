@@ -365,6 +365,32 @@ def test_generations_are_tenant_scoped_and_profiles_need_permission(keyed: Keyed
     assert get_generation(keyed, "key-alpha", gid).json()["status"] == r.json()["status"]
 
 
+def test_responses_are_tenant_scoped_on_every_route(keyed: Keyed):
+    """Another tenant's response id is 404 on retrieve, input_items, chain and delete, as an
+    id that never existed; its owner still has it afterwards."""
+
+    def call(method: str, key: str, path: str = "", **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"}
+        url = f"{keyed.url}/v1/responses{path}"
+        return httpx.request(method, url, headers=headers, timeout=60, **kwargs)
+
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
+    created = call("POST", "key-alpha", json=body)
+    assert created.status_code == 200, created.text
+    rid = created.json()["id"]
+    for rid_tried in (rid, "resp_never_existed"):
+        for method, path in (("GET", f"/{rid_tried}"), ("GET", f"/{rid_tried}/input_items"),
+                             ("DELETE", f"/{rid_tried}")):  # fmt: skip
+            r = call(method, "key-beta", path)
+            assert r.status_code == 404 and error_of(r)["code"] == "response_not_found", path
+        chained = call("POST", "key-beta", json={**body, "previous_response_id": rid_tried})
+        assert chained.status_code == 404
+        assert error_of(chained)["param"] == "previous_response_id"
+    assert call("GET", "key-alpha", f"/{rid}").json() == created.json()
+    chained = call("POST", "key-alpha", json={**body, "previous_response_id": rid})
+    assert chained.status_code == 200 and chained.json()["previous_response_id"] == rid
+
+
 def test_a_running_background_generation_holds_its_key_slot_until_it_ends(keyed: Keyed):
     r = create_generation(keyed, "key-conc", execution="background", max_output_tokens=900)
     assert r.status_code == 202, r.text

@@ -61,6 +61,7 @@ def _public_app(config) -> Any:
     """The ingress' Starlette app, its handlers stubbed (routes and middleware are real)."""
     from serve_app.generations.routes import GenerationsAPI
     from serve_app.ingress import Ingress
+    from serve_app.responses.routes import ResponsesAPI
 
     def handler(request):  # never called: only the route table is read
         raise AssertionError
@@ -70,6 +71,8 @@ def _public_app(config) -> Any:
         create=handler, get=handler, cancel=handler, conversations=conversations
     )
     generations.routes = lambda: GenerationsAPI.routes(generations)
+    responses = SimpleNamespace(create=handler, get=handler, delete=handler, input_items=handler)
+    responses.routes = lambda: ResponsesAPI.routes(responses)
     ingress = SimpleNamespace(
         config=config,
         health=handler,
@@ -77,6 +80,7 @@ def _public_app(config) -> Any:
         server_info=handler,
         openai=SimpleNamespace(chat=handler, completions=handler),
         generations=generations,
+        responses=responses,
     )
     return Ingress.__serve_build_asgi_app__(ingress)
 
@@ -142,7 +146,7 @@ def test_every_error_status_answers_with_the_one_error_shape_and_retry_headers()
 
 def test_streaming_replies_are_documented_as_server_sent_events():
     doc = public_document()
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/generations"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/generations", "/v1/responses"):
         content = doc["paths"][path]["post"]["responses"]["200"]["content"]
         assert {"application/json", "text/event-stream"} <= set(content)
 

@@ -1,0 +1,1 @@
+"""The OpenAI Responses API family: routes, admission, protocol, output items, the run."""

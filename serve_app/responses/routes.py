@@ -1,0 +1,322 @@
+"""`/v1/responses`: the OpenAI Responses API on the shared store.
+
+Admission (auth, limits, chain, template, context budget, grammar) completes before any
+header is sent; the first engine output decides the status code. Then the run's typed events
+go out as SSE (`stream: true`) or are folded into one JSON response. A stored response
+(`store`, the default) is written before its terminal event is sent and is kept for
+`responses.retention_s`; every read and delete is scoped to the caller's tenant.
+
+In this step a response runs inside its HTTP request, as a chat completion does: a client
+that disconnects cancels it, and nothing is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from actors.outputs import RequestOutput
+from serve_app import errors
+from serve_app.access.keys import principal_of
+from serve_app.config.options import ServeConfig
+from serve_app.responses.admission import AdmittedResponse, ResponseAdmission, response_not_found
+from serve_app.responses.output import EventNumbers, context_messages
+from serve_app.responses.protocol import parse_body, renamed
+from serve_app.responses.run import ResponseRun
+from serve_app.store import open_store
+from serve_app.store.base import ResponseRecord
+
+logger = logging.getLogger(__name__)
+
+MAX_LIST_LIMIT = 100
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One typed event, named as its `type` (as OpenAI sends them)."""
+    data = json.dumps(event, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+class ResponsesAPI:
+    def __init__(
+        self,
+        config: ServeConfig,
+        tokenizer: Any,
+        grammar: Any,
+        engine: Any,
+        identity: dict[str, Any],
+        admit: Any = None,
+    ) -> None:
+        self.config = config
+        self.options = config.responses
+        self.identity = identity
+        self.admit = admit
+        self.engine = engine.options(stream=True)
+        self.store = open_store(config.store, config.generations.data_dir)
+        self.admission = ResponseAdmission(config, identity, tokenizer, grammar, self.store)
+        self._upkeep: asyncio.Task[None] | None = None
+        with contextlib.suppress(RuntimeError):  # no loop yet: the first request starts it
+            self.start_upkeep()
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/responses", self.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.get, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"]),
+        ]
+
+    def start_upkeep(self) -> None:
+        if self._upkeep is None or self._upkeep.done():
+            # An empty context: no request's cancellation may reach it.
+            self._upkeep = asyncio.get_running_loop().create_task(
+                self._purge_forever(), context=contextvars.Context()
+            )
+
+    async def _purge_forever(self) -> None:
+        """Expired responses read as absent at once; their rows go every purge interval."""
+        while True:
+            try:
+                await asyncio.to_thread(self.store.purge_expired)
+            except Exception:
+                logger.exception("response store purge failed")
+            await asyncio.sleep(self.options.purge_interval_s)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def create(self, request: Request) -> Response:
+        self.start_upkeep()
+        if self.admit is not None:
+            await self.admit()
+        body = await request.body()
+        if len(body) > self.config.limits.max_body_bytes:
+            raise errors.body_too_large(self.config.limits.max_body_bytes)
+        req = parse_body(body)
+        admitted = await self.admission.admit(request, req)
+        gen = self.engine.generate.remote(admitted.engine_request)
+        try:
+            first = await self._first(gen)
+        except BaseException:
+            gen.cancel()
+            raise
+        run = ResponseRun(admitted, self._object_of(admitted), self._save)
+        if req.stream:
+            return StreamingResponse(
+                self._sse(run, first, gen),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            async for _ in run.events(first, aiter_of(gen)):
+                pass
+        finally:
+            gen.cancel()
+        assert run.final is not None
+        return JSONResponse(run.final)
+
+    async def get(self, request: Request) -> Response:
+        record = await self._record(request)
+        if request.query_params.get("stream") in ("true", "1"):
+            raise errors.unsupported_parameter(
+                "stream", "streaming a stored response again is not supported yet"
+            )
+        return JSONResponse(record.data["response"])
+
+    async def delete(self, request: Request) -> Response:
+        tenant = principal_of(request).tenant
+        rid = request.path_params["response_id"]
+        if not await asyncio.to_thread(self.store.delete_response, tenant, rid):
+            raise response_not_found(rid, "response_id")
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+
+    async def input_items(self, request: Request) -> Response:
+        """The response's input items, newest first unless `order=asc`, paged by `after`."""
+        record = await self._record(request)
+        params = request.query_params
+        order = params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise errors.invalid_request("'order' is 'asc' or 'desc'.", "order")
+        limit = _limit(params.get("limit"))
+        items = list(record.data["input_items"])
+        if order == "desc":
+            items.reverse()
+        after = params.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise errors.invalid_request(f"No input item '{errors.echo(after)}'.", "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit,
+            }
+        )
+
+    # -------------------------------------------------------------------- helpers
+
+    async def _record(self, request: Request) -> ResponseRecord:
+        tenant = principal_of(request).tenant
+        rid = request.path_params["response_id"]
+        record = await asyncio.to_thread(self.store.get_response, tenant, rid)
+        if record is None:
+            raise response_not_found(rid, "response_id")
+        return record
+
+    async def _first(self, gen: Any) -> RequestOutput:
+        """The first output decides the status: a grammar that failed is a 400 here."""
+        try:
+            out = await gen.__anext__()
+        except errors.APIError as exc:
+            raise errors.api_error_in(exc) or exc from None
+        except ValueError as exc:
+            raise errors.invalid_request(str(exc), "input") from exc
+        except Exception as exc:
+            found = errors.api_error_in(exc)
+            if found is not None:
+                raise found from None
+            logger.error("engine refused response: %s", type(exc).__name__)
+            raise errors.internal_error("The engine is unavailable.", retryable=True) from exc
+        if out.error is not None or out.error_code is not None:
+            raise renamed(first_error(out))
+        return out
+
+    async def _sse(self, run: ResponseRun, first: RequestOutput, gen: Any) -> AsyncIterator[bytes]:
+        numbers = EventNumbers()
+        try:
+            async for event in run.events(first, aiter_of(gen)):
+                yield sse(numbers.number(event))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("response stream failed after headers")
+            error = {"code": "internal_error", "message": "The stream failed."}
+            final = self._object(run.admitted, "failed", run.items.items, run.usage(), error=error)
+            yield sse(numbers.number({"type": "response.failed", "response": final}))
+        finally:
+            gen.cancel()
+
+    async def _save(self, admitted: AdmittedResponse, final: dict[str, Any]) -> None:
+        if not admitted.req.store:
+            return  # store: false keeps nothing once the response is sent
+        record = ResponseRecord(
+            admitted.response_id,
+            admitted.tenant,
+            final["status"],
+            {
+                "response": final,
+                "input_items": admitted.input_items,
+                "context": admitted.context + context_messages(final["output"]),
+            },
+            admitted.created_at,
+            time.time() + self.options.retention_s,
+        )
+        await asyncio.to_thread(self.store.insert_response, record)
+
+    def _object_of(self, admitted: AdmittedResponse) -> Any:
+        def build(status: str, output: list[dict[str, Any]], usage: Any, **kwargs: Any) -> Any:
+            return self._object(admitted, status, output, usage, **kwargs)
+
+        return build
+
+    def _object(
+        self,
+        admitted: AdmittedResponse,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        *,
+        error: dict[str, str] | None = None,
+        incomplete_reason: str | None = None,
+    ) -> dict[str, Any]:
+        """The response object at `status` (its items copied: later deltas never change a
+        frame already built)."""
+        req = admitted.req
+        fmt = req.text.format if req.text is not None else None
+        text_format = fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+        tool_choice: Any = req.tool_choice
+        if tool_choice is None:
+            tool_choice = "auto" if req.tools else "none"
+        elif not isinstance(tool_choice, str):
+            tool_choice = tool_choice.model_dump()
+        sampling = admitted.engine_request.params
+        return {
+            "id": admitted.response_id,
+            "object": "response",
+            "created_at": int(admitted.created_at),
+            "status": status,
+            "background": False,
+            "error": error,
+            "incomplete_details": (
+                {"reason": incomplete_reason} if incomplete_reason is not None else None
+            ),
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": req.model,
+            "output": json.loads(json.dumps(output)),
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": req.store,
+            "temperature": sampling.temperature,
+            "text": {"format": text_format},
+            "tool_choice": tool_choice,
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "top_p": sampling.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": req.user,
+            "metadata": req.metadata or {},
+            # The served artifact, as every family names it.
+            "system_fingerprint": self.identity["fingerprint"],
+        }
+
+
+def first_error(out: RequestOutput) -> errors.APIError:
+    """The API error an engine's refusal of the first output stands for (nothing was sent:
+    a repeat is safe)."""
+    code, message = out.error_code, out.error or out.error_code or "the engine failed"
+    if code == "invalid_grammar":
+        return errors.invalid_grammar(message, "text.format")
+    if code == "overloaded":
+        return errors.overloaded(message, 1.0)
+    if code == "request_limit_exceeded":
+        return errors.APIError(400, code, f"Invalid grammar: {message}", param="text.format")
+    if code == "deadline_too_short":
+        return errors.deadline_too_short(message)
+    if code == "deadline_unmeetable":
+        return errors.deadline_unmeetable(message, retry_after_s=1.0)
+    if code == "engine_lost":
+        return errors.engine_lost(f"The engine failed: {message}", retryable=True)
+    return errors.internal_error(f"The engine failed: {message}", retryable=True)
+
+
+async def aiter_of(gen: Any) -> AsyncIterator[Any]:
+    async for out in gen:
+        yield out
+
+
+def _limit(value: str | None) -> int:
+    if value is None:
+        return 20
+    try:
+        limit = int(value)
+    except ValueError:
+        raise errors.invalid_request("'limit' is an integer.", "limit") from None
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise errors.invalid_request(f"'limit' is 1 to {MAX_LIST_LIMIT}.", "limit")
+    return limit

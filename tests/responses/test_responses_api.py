@@ -1,0 +1,330 @@
+"""`/v1/responses` over HTTP with the official client on the tiny checkpoint: create,
+retrieve, delete and input_items; the typed event stream and its gap-free sequence numbers;
+structured output through `text.format` and `parse()`; a forced function call answered
+through `previous_response_id`; what `store: false` keeps; unknown and unsupported fields."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.serve
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+REPLY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 12},
+        "sure": {"type": "boolean"},
+    },
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+# Item order inside one output item: added, its part, deltas, the done events.
+OPENING = ("response.output_item.added", "response.content_part.added")
+CLOSING = (
+    "response.output_text.done",
+    "response.reasoning_text.done",
+    "response.function_call_arguments.done",
+    "response.content_part.done",
+    "response.output_item.done",
+)
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+
+
+class Reply(BaseModel):
+    answer: Annotated[str, Field(max_length=12)]
+    sure: bool
+
+
+def create(client: openai.OpenAI, model_id: str, **kwargs: Any):
+    kwargs.setdefault("input", "Say hello.")
+    kwargs.setdefault("max_output_tokens", 8)
+    kwargs.setdefault("temperature", 0.0)
+    return client.responses.create(model=model_id, **kwargs)
+
+
+def error_of(r: httpx.Response) -> dict[str, Any]:
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    return r.json()["error"]
+
+
+def check_ending(response: Any, max_output_tokens: int) -> None:
+    """A text response on the random tiny model either stops or uses its whole budget."""
+    usage = response.usage
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.input_tokens_details.cached_tokens >= 0
+    assert usage.output_tokens_details.reasoning_tokens <= usage.output_tokens
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert usage.output_tokens == max_output_tokens
+    else:
+        assert response.status == "completed" and response.incomplete_details is None
+        assert usage.output_tokens <= max_output_tokens
+
+
+# ------------------------------------------------------------------ the resource
+
+
+def test_create_retrieve_input_items_and_delete(client: openai.OpenAI, model_id: str):
+    r = create(client, model_id, instructions="Be brief.", metadata={"ticket": "4411"})
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == model_id
+    check_ending(r, 8)
+    assert r.metadata == {"ticket": "4411"} and r.instructions == "Be brief."
+    assert r.store is True and r.previous_response_id is None
+    assert r.to_dict()["system_fingerprint"]
+    message = next(item for item in r.output if item.type == "message")
+    assert r.output_text == message.content[0].text
+    # Retrieve gives back exactly what create answered.
+    assert client.responses.retrieve(r.id).to_dict() == r.to_dict()
+    items = client.responses.input_items.list(r.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [
+        ("message", "user", "Say hello.")
+    ]
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.retrieve(r.id)
+    assert info.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(r.id)
+
+
+def test_input_items_page_in_either_order(client: openai.OpenAI, model_id: str):
+    turns = [
+        {"role": "user", "content": [{"type": "input_text", "text": f"turn {i}"}]} for i in range(3)
+    ]
+    r = create(client, model_id, input=turns, max_output_tokens=2)
+    newest = client.responses.input_items.list(r.id, limit=2)
+    assert [i.content[0].text for i in newest.data] == ["turn 2", "turn 1"]
+    assert newest.has_more is True
+    rest = client.responses.input_items.list(r.id, limit=2, after=newest.last_id)
+    assert [i.content[0].text for i in rest.data] == ["turn 0"] and rest.has_more is False
+    oldest = client.responses.input_items.list(r.id, order="asc")
+    assert [i.content[0].text for i in oldest.data] == ["turn 0", "turn 1", "turn 2"]
+
+
+def test_store_false_keeps_nothing(client: openai.OpenAI, model_id: str, serve_url: str):
+    r = create(client, model_id, store=False)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    chained = httpx.post(
+        f"{serve_url}/v1/responses",
+        json={"model": model_id, "input": "More.", "previous_response_id": r.id},
+        timeout=60,
+    )
+    assert chained.status_code == 404
+    error = error_of(chained)
+    assert (error["code"], error["param"]) == ("response_not_found", "previous_response_id")
+    assert "store: false" in error["message"]
+
+
+# ----------------------------------------------------------------------- streams
+
+
+def read_stream(stream: Any) -> list[Any]:
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type in TERMINAL
+    assert not any(e.type in TERMINAL for e in events[:-1])
+    return events
+
+
+def check_item_order(events: list[Any]) -> None:
+    """Each item opens, grows and closes before the next one opens; deltas join to its text."""
+    open_index = None
+    texts: dict[int, str] = {}
+    for e in events[2:-1]:
+        if e.type == "response.output_item.added":
+            assert open_index is None, "an item opened before the last one closed"
+            open_index = e.output_index
+            texts[open_index] = ""
+        elif e.type.endswith(".delta"):
+            assert e.output_index == open_index
+            texts[open_index] += e.delta
+        elif e.type == "response.output_item.done":
+            assert e.output_index == open_index
+            item = e.item
+            done_text = item.arguments if item.type == "function_call" else item.content[0].text
+            assert done_text == texts[open_index]
+            open_index = None
+        else:
+            assert e.type in OPENING + CLOSING, e.type
+            assert e.output_index == open_index
+    assert open_index is None
+
+
+def test_stream_events_are_ordered_numbered_and_match_the_stored_response(
+    client: openai.OpenAI, model_id: str
+):
+    events = read_stream(create(client, model_id, stream=True, max_output_tokens=12))
+    check_item_order(events)
+    final = events[-1].response
+    assert events[0].response.id == final.id and events[0].response.status == "in_progress"
+    check_ending(final, 12)
+    assert events[-1].type == f"response.{final.status}"
+    # The record was written before the terminal event was sent.
+    assert client.responses.retrieve(final.id).to_dict() == final.to_dict()
+
+
+def test_a_forced_function_call_streams_its_arguments(client: openai.OpenAI, model_id: str):
+    events = read_stream(
+        create(
+            client,
+            model_id,
+            stream=True,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=64,
+        )
+    )
+    check_item_order(events)
+    types = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in types
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    jsonschema.validate(json.loads(done.arguments), WEATHER["parameters"])
+    assert events[-1].type == "response.completed"
+
+
+def test_the_stream_helper_accumulates_the_final_parsed_response(
+    client: openai.OpenAI, model_id: str
+):
+    # The helper's final response needs `response.completed`: a JSON format ends the output.
+    with client.responses.stream(
+        model=model_id, input="Answer.", text_format=Reply, max_output_tokens=64, temperature=0.0
+    ) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == deltas
+    assert final.output_parsed == Reply.model_validate_json(deltas)
+
+
+# ---------------------------------------------------------- structured output, tools
+
+
+def test_text_format_json_schema_output_validates(client: openai.OpenAI, model_id: str):
+    r = create(
+        client,
+        model_id,
+        text={"format": {"type": "json_schema", "name": "reply", "schema": REPLY_SCHEMA,
+                         "strict": True}},
+        max_output_tokens=64,
+    )  # fmt: skip
+    assert r.status == "completed", r.to_dict()
+    jsonschema.validate(json.loads(r.output_text), REPLY_SCHEMA)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "reply"
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI, model_id: str):
+    r = client.responses.parse(
+        model=model_id, input="Answer.", text_format=Reply, max_output_tokens=64, temperature=0.0
+    )
+    assert r.status == "completed"
+    assert isinstance(r.output_parsed, Reply)
+    assert r.output_parsed == Reply.model_validate_json(r.output_text)
+
+
+def test_a_forced_call_answered_through_previous_response_id(client: openai.OpenAI, model_id: str):
+    first = create(
+        client,
+        model_id,
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,  # one call, then the grammar ends the output
+        max_output_tokens=128,
+    )
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and calls
+    call = calls[0]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    second = create(
+        client, model_id, previous_response_id=first.id, input=[output], tools=[WEATHER]
+    )
+    assert second.previous_response_id == first.id
+    check_ending(second, 8)
+    # The chain is in the prompt: the first turn, the call, then the tool's output.
+    assert second.usage.input_tokens > first.usage.input_tokens + len(call.arguments) // 4
+    items = client.responses.input_items.list(second.id)
+    assert [i.type for i in items.data] == ["function_call_output"]
+    # The same input without the chain is a shorter prompt.
+    alone = create(client, model_id, input=[output], tools=[WEATHER])
+    assert alone.usage.input_tokens < second.usage.input_tokens
+
+
+def test_tool_choice_none_never_calls(client: openai.OpenAI, model_id: str):
+    r = create(client, model_id, tools=[WEATHER], tool_choice="none", max_output_tokens=16)
+    assert all(item.type != "function_call" for item in r.output)
+
+
+# --------------------------------------------------------------- refused requests
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "code", "param"),
+    [
+        ({"colour": "blue"}, 400, "unknown_parameter", "colour"),
+        ({"tools": [{"type": "web_search"}]}, 400, "unsupported_parameter", "tools.0.type"),
+        ({"tools": [{"type": "file_search", "vector_store_ids": ["vs"]}]}, 400,
+         "unsupported_parameter", "tools.0.type"),
+        ({"background": True}, 400, "unsupported_parameter", "background"),
+        ({"truncation": "auto"}, 400, "unsupported_parameter", "truncation"),
+        ({"reasoning": {"effort": "high"}}, 400, "unsupported_parameter", "reasoning.effort"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         400, "unsupported_parameter", "input.0.content.0"),
+        ({"input": [{"type": "web_search_call", "id": "ws"}]}, 400, "unsupported_parameter",
+         "input.0.type"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, 400, "invalid_request",
+         "input.0.call_id"),
+        ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, 400,
+         "invalid_request", "tool_choice.name"),
+        ({"text": {"format": {"type": "json_schema", "name": "r"}}}, 400, "invalid_request",
+         "text.format.schema"),
+        ({"previous_response_id": "resp_never"}, 404, "response_not_found",
+         "previous_response_id"),
+        ({"model": "no-such-model"}, 404, "model_not_found", "model"),
+        ({"max_output_tokens": 10**6}, 400, "context_length_exceeded", "input"),
+    ],
+)  # fmt: skip
+def test_refused_requests_name_the_field(
+    serve_url: str, model_id: str, extra: dict, status: int, code: str, param: str
+):
+    body = {"model": model_id, "input": "hi", **extra}
+    r = httpx.post(f"{serve_url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = error_of(r)
+    assert (error["code"], error["param"]) == (code, param), error
+    assert r.headers["x-should-retry"] == "false"
+
+
+def test_an_input_over_the_context_names_the_budget(serve_url: str, model_id: str):
+    info = httpx.get(f"{serve_url}/v1/server_info", timeout=30).json()
+    context = info["limits"]["max_model_len"]
+    body = {"model": model_id, "input": "word " * (context * 2), "truncation": "disabled"}
+    r = httpx.post(f"{serve_url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400
+    error = error_of(r)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
+    assert f"maximum context length is {context} tokens" in error["message"]
