@@ -328,3 +328,15 @@ def test_an_input_over_the_context_names_the_budget(serve_url: str, model_id: st
     error = error_of(r)
     assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
     assert f"maximum context length is {context} tokens" in error["message"]
+
+
+def test_the_docs_sdk_example_runs_as_written(serve_url: str, capsys):
+    """docs/responses.md's SDK example, pointed at this server (it needs one: not runnable)."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "responses.md").read_text()
+    block = page.split("```python\n", 1)[1].split("```", 1)[0]
+    assert block.startswith("import openai")
+    code = block.replace("http://127.0.0.1:8000/v1", f"{serve_url}/v1")
+    exec(compile(code, "docs/responses.md", "exec"), {"__name__": "docs_example"})
+    assert capsys.readouterr().out.strip()
