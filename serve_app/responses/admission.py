@@ -18,7 +18,7 @@ from serve_app.access.budgets import reserve_budget
 from serve_app.access.keys import principal_of, require_model
 from serve_app.access.output_budget import BudgetRules, output_budget, server_and_key_caps
 from serve_app.access.prefix_scope import prefix_namespace
-from serve_app.access.static_limits import check_prompt_tokens
+from serve_app.access.static_limits import check_prompt_tokens, check_request
 from serve_app.config.options import ServeConfig
 from serve_app.parsers.chat_output import PROMPT_TAIL, ParseOptions, chat_parse_options
 from serve_app.protocol import ChatCompletionRequest, parse_request
@@ -124,6 +124,10 @@ class ResponseAdmission:
         context = history + chat_messages(items)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         chat = self._chat_request(req, system + context)
+        try:  # the server's and the key's static limits (tools, grammar size), as on chat
+            check_request(principal, chat, self.config.limits)
+        except errors.APIError as exc:
+            raise renamed(exc) from None
         prompt_ids = await self._render(chat)
         check_prompt_tokens(principal, [prompt_ids], "input")
         max_tokens = output_budget(

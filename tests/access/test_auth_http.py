@@ -391,6 +391,26 @@ def test_responses_are_tenant_scoped_on_every_route(keyed: Keyed):
     assert chained.status_code == 200 and chained.json()["previous_response_id"] == rid
 
 
+def test_a_keys_limits_apply_to_responses(keyed: Keyed):
+    def create(key: str, **fields) -> httpx.Response:
+        body = {"model": MODEL, "input": "hi", **fields}
+        headers = {"Authorization": f"Bearer {key}"}
+        return httpx.post(f"{keyed.url}/v1/responses", json=body, headers=headers, timeout=60)
+
+    r = create("key-limited", max_output_tokens=100)
+    assert r.status_code == 400 and error_of(r)["code"] == "max_tokens_exceeded"
+    assert error_of(r)["param"] == "max_output_tokens"
+    tools = [{"type": "function", "name": f"f{i}"} for i in range(2)]
+    r = create("key-limited", tools=tools)
+    assert r.status_code == 400 and error_of(r)["param"] == "tools"
+    assert "max_tools" in error_of(r)["message"]
+    # Without max_output_tokens the key's cap is the budget.
+    r = create("key-limited", temperature=0.0)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["output_tokens"] <= LIMITED["max_output_tokens"]
+    assert create("key-nomodel").status_code == 403
+
+
 def test_a_running_background_generation_holds_its_key_slot_until_it_ends(keyed: Keyed):
     r = create_generation(keyed, "key-conc", execution="background", max_output_tokens=900)
     assert r.status_code == 202, r.text

@@ -340,3 +340,23 @@ def test_the_docs_sdk_example_runs_as_written(serve_url: str, capsys):
     code = block.replace("http://127.0.0.1:8000/v1", f"{serve_url}/v1")
     exec(compile(code, "docs/responses.md", "exec"), {"__name__": "docs_example"})
     assert capsys.readouterr().out.strip()
+
+
+def test_server_info_lists_the_family(serve_url: str, model_id: str):
+    info = httpx.get(f"{serve_url}/v1/server_info", timeout=30).json()
+    family = info["responses"]
+    assert {"previous_response_id", "tools", "text", "store"} <= set(family["supported_fields"])
+    assert family["retention_s"] > 0 and "background" in family["unsupported_fields"]
+    assert "POST /v1/responses" in family["routes"]
+    rows = {row["cause"]: row["responses"] for row in info["outcomes"]}
+    assert rows["max tokens"] == {"status": "incomplete", "reason": "max_output_tokens"}
+
+
+def test_streaming_a_stored_response_again_is_not_supported_yet(
+    client: openai.OpenAI, model_id: str, serve_url: str
+):
+    r = create(client, model_id, max_output_tokens=2)
+    again = httpx.get(f"{serve_url}/v1/responses/{r.id}", params={"stream": "true"}, timeout=30)
+    assert again.status_code == 400
+    error = error_of(again)
+    assert (error["code"], error["param"]) == ("unsupported_parameter", "stream")
