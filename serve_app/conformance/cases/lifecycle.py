@@ -122,8 +122,17 @@ class StalledClient:
 
     def __init__(self, root: str, path: str, payload: dict, headers: httpx.Headers):
         url = httpx.URL(root)
-        self.sock = socket.create_connection((url.host, url.port or 80), timeout=60)
+        family, kind, proto, _, address = socket.getaddrinfo(
+            url.host, url.port or 80, type=socket.SOCK_STREAM
+        )[0]
+        self.sock = socket.socket(family, kind, proto)
+        # Before connecting (tcp(7)): the window scale is agreed in the handshake, and a
+        # buffer shrunk afterwards cannot hold the window already advertised: the server's
+        # segments past it are dropped and its retransmissions back off while the client
+        # stalls, so the first byte came up to tens of seconds after it read again.
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.settimeout(60)
+        self.sock.connect(address)
         data = json.dumps(payload).encode()
         auth = headers.get("authorization")
         extra = f"Authorization: {auth}\r\n" if auth else ""
