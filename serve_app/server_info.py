@@ -115,7 +115,7 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
             "output_queue_size": config.engine.output_queue_size,
             "hold_timeout_s": config.engine.hold_timeout_s,
             "past_hold_timeout": "finish_reason abort, stop_reason slow_consumer",
-            "stalled_client": stalled_client_info(),
+            "stalled_client": stalled_client_info(config.direct_ingress),
         },
         "disconnect_policy": {
             "openai": "a request is cancelled when its client disconnects",
@@ -183,19 +183,21 @@ def request_input_info() -> dict[str, Any]:
     }
 
 
-def stalled_client_info() -> dict[str, Any]:
-    """How a client that stops reading an OpenAI stream is seen through Serve's proxy."""
+def stalled_client_info(direct_ingress: bool = False) -> dict[str, Any]:
+    """How a client that stops reading an OpenAI stream is seen: where the socket is written
+    (Serve's proxy, or the ingress replica itself with direct ingress, in the same hook)."""
     if not proxy_flow.is_enabled():
         return {"detected": False, "held_when": "the engine's output window fills"}
+    writer = "ingress replica" if direct_ingress else "proxy"
     return {
         "detected": True,
         "held_when": (
-            "the proxy's write to the client has waited stall_s: the client left about "
+            f"the {writer}'s write to the client has waited stall_s: the client left about "
             "socket_sndbuf_bytes + write_high_water_bytes of the stream unread beyond its "
             "own receive buffer"
         ),
         "stall_s": proxy_flow.STALL_S,
         "socket_sndbuf_bytes": 2 * proxy_flow.SOCKET_SNDBUF_BYTES,
         "write_high_water_bytes": proxy_flow.WRITE_HIGH_WATER_BYTES,
-        "resumes_when": "the proxy's write goes through",
+        "resumes_when": f"the {writer}'s write goes through",
     }
