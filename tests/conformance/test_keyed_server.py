@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from serve_app.access.keys import hash_key
+from serve_app.conformance import revisions
 from serve_app.conformance.cases import select
 from serve_app.conformance.runner import run_suite
 from serve_app.conformance.session import Target
@@ -15,19 +16,8 @@ from tests.support.side_apps import deploy, side_config
 
 pytestmark = [pytest.mark.serve, pytest.mark.ray]
 
-KEYS = {
-    "sk-conformance": {"id": "conformance", "tenant": "conformance"},
-    "sk-conformance-one": {
-        "id": "conformance-one",
-        "tenant": "conformance",
-        "limits": {"max_concurrent_requests": 1},
-    },
-    "sk-conformance-other-model": {
-        "id": "conformance-other-model",
-        "tenant": "conformance",
-        "models": ["some-other-model"],
-    },
-}
+# The keys `make conformance-diff` serves with: the suite's, a limited and a restricted one.
+KEYS = revisions.KEYS
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,18 @@ def create_body(profile: dict[str, Any], text: str, execution: str, max_tokens: 
     return body
 
 
+def create(
+    s: Session, record: CaseRecord, body: dict[str, Any], status: int
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """POST the generation; the case cannot go on unless it is answered `status`."""
+    got, headers, created = raw_post(s, record, "create", GENERATIONS, body)
+    record.outputs["create"] = {"status": got}
+    if got != status or not isinstance(created, dict):
+        mode = body["execution"]
+        record.fail(f"create ({mode}): HTTP {got}, expected {status}: {created!s:.300}")
+    return headers, created
+
+
 def check_resource(record: CaseRecord, label: str, resource: Any, profile: str) -> None:
     """The fields a generation resource always has, and their meaning once it ended."""
     if not isinstance(resource, dict):
@@ -80,10 +92,7 @@ def check_resource(record: CaseRecord, label: str, resource: Any, profile: str) 
 def resource(s: Session, record: CaseRecord) -> None:
     profile = text_profile(s, record)
     body = create_body(profile, "My order arrived damaged.", "sync", 4)
-    status, headers, created = raw_post(s, record, "create", GENERATIONS, body)
-    record.outputs["create"] = {"status": status}
-    if status != 200:
-        record.fail(f"create: HTTP {status}: {str(created)[:300]}")
+    headers, created = create(s, record, body, 200)
     # The fields, not the sampled output's blocks (an answer cut at its first token has none).
     fields = {k: v for k, v in created.items() if k != "output"}
     record.outputs["shape"] = {"resource": shape(fields)}
@@ -139,10 +148,7 @@ def idempotency(s: Session, record: CaseRecord) -> None:
 def cancel(s: Session, record: CaseRecord) -> None:
     profile = text_profile(s, record)
     body = create_body(profile, "Write a long, detailed answer.", "background", 400)
-    status, headers, created = raw_post(s, record, "create", GENERATIONS, body)
-    record.outputs["create"] = {"status": status}
-    if status != 202:
-        record.fail(f"background: HTTP {status}, expected 202: {str(created)[:300]}")
+    headers, created = create(s, record, body, 202)
     record.check(bool(headers.get("location")), "background: no Location header")
     gid = created.get("id")
     cancel_path = f"{GENERATIONS}/{gid}/cancel"
