@@ -81,7 +81,13 @@ class Ingress:
             config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit
         )
         self.responses = ResponsesAPI(
-            config, tokenizer_handle, grammar_handle, engine_handle, identity, self.admit
+            config,
+            tokenizer_handle,
+            grammar_handle,
+            engine_handle,
+            identity,
+            self.admit,
+            store=self.generations.store,
         )
         self._engine = engine_handle
         # Serve's proxy answers /-/routes itself: it checks keys against what this registers.

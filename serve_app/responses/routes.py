@@ -56,13 +56,16 @@ class ResponsesAPI:
         engine: Any,
         identity: dict[str, Any],
         admit: Any = None,
+        store: Any = None,
     ) -> None:
         self.config = config
         self.options = config.responses
         self.identity = identity
         self.admit = admit
         self.engine = engine.options(stream=True)
-        self.store = open_store(config.store, config.generations.data_dir)
+        # One store per process: a second SQLite connection on the same file in this process
+        # hid rows other processes committed from the first one's reads.
+        self.store = store or open_store(config.store, config.generations.data_dir)
         self.admission = ResponseAdmission(config, identity, tokenizer, grammar, self.store)
         self._upkeep: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # no loop yet: the first request starts it
