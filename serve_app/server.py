@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -15,12 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from serve_app import ray_env
 from serve_app.backpressure import proxy_hold as proxy_flow
 from serve_app.config.options import ServeConfig
+from serve_app.ports import REASONS, bind_problem
 
 logger = logging.getLogger(__name__)
 
 EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (or SIGTERM) before the server was up
 # How long a stop waits for Serve's controller to remove the apps, replicas and proxies.
 SHUTDOWN_TIMEOUT_S = 30.0
+PORT_RELEASE_TIMEOUT_S = 15.0
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
@@ -180,7 +183,23 @@ def run_forever(config: ServeConfig) -> None:
         print("stopping (Ctrl-C again to force)", flush=True)
         _forced_exit_on_next_signal()
         stop()
+        _wait_ports_released(config, PORT_RELEASE_TIMEOUT_S)
         print("stopped", flush=True)
+
+
+def _wait_ports_released(config: ServeConfig, timeout_s: float) -> None:
+    """Return once the server's own ports can be bound again, so "stopped" means a restart on
+    the same ports works. `ray.shutdown()` returns when it has signalled the local cluster's
+    processes, not when they have exited: the replica that owns the socket under direct
+    ingress (or the proxy) can hold the port a moment longer."""
+    ports = [(config.host, config.port), (config.admin_host, config.admin_port)]
+    deadline = time.monotonic() + timeout_s
+    for host, port in ports:
+        while port and bind_problem(host, port) == REASONS[errno.EADDRINUSE]:
+            if time.monotonic() > deadline:
+                logger.warning("port %d is still in use %.0fs after the stop", port, timeout_s)
+                return
+            time.sleep(0.1)
 
 
 def banner(config: ServeConfig, url: str) -> str:
