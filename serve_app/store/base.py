@@ -201,6 +201,11 @@ class Store(ABC):
         """False when there was none (for this tenant, unexpired)."""
 
     @abstractmethod
+    def update_response(self, record: ResponseRecord, expected_status: Collection[str]) -> bool:
+        """Replace status/data/expires_at of an unexpired response of the record's tenant if
+        its stored status is expected; False otherwise (compare-and-set, as generations)."""
+
+    @abstractmethod
     def purge_expired(self) -> int:
         """Delete every expired row (any tenant); returns how many went."""
 

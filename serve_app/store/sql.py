@@ -298,6 +298,25 @@ class SQLStore(Store):
             )
             return cursor.rowcount == 1
 
+    def update_response(self, record: ResponseRecord, expected_status: Collection[str]) -> bool:
+        statuses = sorted(expected_status)
+        marks = ", ".join("?" for _ in statuses)
+        with self._write() as db:
+            cursor = db.execute(
+                "UPDATE responses SET status = ?, data = ?, expires_at = ?"
+                f" WHERE id = ? AND tenant = ? AND expires_at > ? AND status IN ({marks})",
+                (
+                    record.status,
+                    json.dumps(record.data),
+                    record.expires_at,
+                    record.id,
+                    record.tenant,
+                    self.clock(),
+                    *statuses,
+                ),
+            )
+            return cursor.rowcount == 1
+
     # ---------------------------------------------------------------------- upkeep
 
     def purge_expired(self) -> int:
