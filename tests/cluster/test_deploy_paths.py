@@ -225,6 +225,28 @@ def alive_actor_classes(dashboard: str) -> list[str]:
     return [a["class_name"] for a in actors if a["state"] == "ALIVE"]
 
 
+def serve_status(dashboard: str) -> str:
+    """Serve's own account of the apps and their deployments, for a failure message."""
+    try:
+        apps = dashboard_get(f"{dashboard}/api/serve/applications/").json()["applications"]
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        return f"(Serve's status unavailable: {exc!r})"
+    lines = []
+    for name, app in apps.items():
+        lines.append(f"app {name}: {app['status']} {app.get('message', '')}")
+        for dep, info in app.get("deployments", {}).items():
+            lines.append(f"  {dep}: {info['status']} {info.get('message', '')}")
+    return "\n".join(lines)
+
+
+def wait_on_cluster(check: Callable[[], object], timeout_s: float, what: str, dashboard: str):
+    """`wait_for`, with Serve's status of every deployment in the message when it fails."""
+    try:
+        return wait_for(check, timeout_s, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{serve_status(dashboard)}") from None
+
+
 def no_app_actor_left(dashboard: str) -> bool:
     ours = ("StatsRegistry", "ServeReplica:serve-app", "ServeReplica:second")
     return not [c for c in alive_actor_classes(dashboard) if c.startswith(ours)]
@@ -251,7 +273,10 @@ def test_serve_deploy_and_serve_run_on_a_cluster_started_without_the_hook(model_
         second = config_file(tmp_path, "second.yaml", port, model, admin_port=second_admin)
         run_cli("serve", "deploy", str(second), "-a", dashboard, env=env)
         wait_green(url)
-        wait_for(lambda: engine_reported(second_admin), 60, "the engine in the admin stats")
+        # The admin deployment rolls on its own: its old replica stops, then the new one binds.
+        wait_on_cluster(
+            lambda: engine_reported(second_admin), 120, "the engine in the admin stats", dashboard
+        )
         wait_for(lambda: refuses(first_admin), 30, "the first admin port closed")
 
         # The import-path form, joining the same cluster (its proxy and port are already up).
@@ -260,7 +285,9 @@ def test_serve_deploy_and_serve_run_on_a_cluster_started_without_the_hook(model_
         builder += [f"model={model}", "served_model_name=second", f"admin_port={import_admin}"]
         run_cli(*builder, env=env)
         wait_green(f"{url}/second")
-        wait_for(lambda: engine_reported(import_admin), 60, "its engine in its admin stats")
+        wait_on_cluster(
+            lambda: engine_reported(import_admin), 120, "its engine in its admin stats", dashboard
+        )
         assert detected(f"{url}/second") is False
 
         # Deleting the apps stops their admin servers and registries: nothing outlives them.
@@ -285,7 +312,7 @@ def test_serve_run_config_with_the_documented_environment_has_the_hook(model_dir
         wait_for(lambda: engine_reported(admin_port), 60, "the engine in the admin stats")
         assert detected(url) is True
     finally:
-        code = run.end(signal.SIGINT)
+        code = run.end(signal.SIGINT, timeout_s=120)  # Serve's own stop, on a busy machine
     assert WARNING not in run.text, run.text
     assert code == 0, run.text
     assert refuses(admin_port)
