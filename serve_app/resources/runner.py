@@ -1,9 +1,7 @@
 """Runs generation resources outside the HTTP request that created them.
 
-NOTE: Serve cancels a handler's task when its client disconnects, and the cancellation
-reaches every handle call made in that request's context (even under `asyncio.shield`).
-So each generation runs in its own task started with an *empty* contextvars.Context: it is
-no child of the request, and a disconnect never cancels it. Handlers only wait on futures.
+Each generation runs in its own task owned by the process, not the request
+(`serve_app.resources.owned`): a disconnect never cancels it. Handlers only wait on futures.
 
 One task per generation: insert (atomically with its Idempotency-Key and conversation
 turn) -> running -> grammar + engine stream -> settle -> save -> tell the waiters. The
@@ -14,10 +12,9 @@ the store.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +22,7 @@ from actors.messages import EngineRequest
 from serve_app.config.profiles import GenerationOptions
 from serve_app.metrics import record_latency, record_outcome, record_tokens
 from serve_app.resources.admitted import AdmittedGeneration
+from serve_app.resources.owned import OwnedTasks
 from serve_app.resources.resource import (
     UNFINISHED,
     Outcome,
@@ -70,7 +68,7 @@ class GenerationRunner:
         self.render = render
         self.live: dict[str, RunningGeneration] = {}
         self.watch_period_s = STORE_WATCH_PERIOD_S
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.tasks = OwnedTasks()
 
     # ------------------------------------------------------------------ requests
 
@@ -86,11 +84,8 @@ class GenerationRunner:
         # shield: a disconnect cancels this wait, never the insert or the run.
         return await asyncio.shield(admitted), live
 
-    def spawn(self, coro: Awaitable[Any]) -> None:
-        # An empty context: the task is no child of the HTTP request (see module NOTE).
-        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self.tasks.spawn(coro)
 
     async def cancel(self, tenant: str, generation_id: str) -> GenerationRecord | None:
         """Idempotent: the current state after the request; completion may win the race."""

@@ -27,6 +27,7 @@ from serve_app.store.base import (
     IdempotencyKey,
     InsertOutcome,
 )
+from serve_app.store.items import as_chat_messages
 from serve_app.store.sqlite import SQLiteStore
 
 SCHEMA = {
@@ -237,7 +238,7 @@ def test_a_cancelled_waiter_does_not_cancel_the_generation(store: SQLiteStore) -
         waiter = asyncio.create_task(handler())
         await asyncio.sleep(0.03)
         waiter.cancel()  # what a client disconnect does to the request task
-        while runner.live or runner._tasks:
+        while runner.live or len(runner.tasks):
             await asyncio.sleep(0.01)
         stored = store.get_generation("t1", "gen_1")
         assert stored is not None
@@ -271,7 +272,7 @@ def test_a_completed_turn_is_appended_and_a_failed_one_released(store: SQLiteSto
     asyncio.run(run_to_end(runner, plan(turn=ConversationTurn("c1", 0))))
     conv = store.get_conversation("t1", "c1")
     assert conv is not None and conv.revision == 1 and conv.pending_generation is None
-    assert conv.messages == [
+    assert as_chat_messages(conv.items) == [
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": "hi"},
     ]
