@@ -4,7 +4,6 @@ exists; every refusal names what fired (422 for token budgets, as the seed choos
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
@@ -28,6 +27,7 @@ from serve_app.config.profiles import (
 from serve_app.generations.protocol import GenerationCreate
 from serve_app.grammar.spec import GrammarSpec
 from serve_app.resources.admitted import AdmittedGeneration
+from serve_app.resources.conversations import not_found, read_history
 from serve_app.resources.idempotency import key_record
 from serve_app.resources.resource import new_generation_id, usage
 from serve_app.store.base import ConversationTurn, GenerationRecord, Store
@@ -76,13 +76,11 @@ class GenerationAdmission:
         history: list[dict[str, Any]] = []
         turn = None
         if req.conversation is not None:
-            conv = await asyncio.to_thread(
-                self.store.get_conversation, principal.tenant, req.conversation.id
+            found = await read_history(
+                self.store, principal.tenant, req.conversation.id, "conversation.id"
             )
-            if conv is None:
-                raise conversation_not_found(req.conversation.id)
-            history = conv.messages
-            turn = ConversationTurn(conv.id, req.conversation.expected_revision)
+            history = found.messages
+            turn = ConversationTurn(found.conversation.id, req.conversation.expected_revision)
         new_messages = req.input_messages()
         schema = self.options.output_formats.get(output_format)
         messages = self._system(profile, output_format, schema) + history + new_messages
@@ -255,6 +253,4 @@ def sha256_ids(token_ids: list[int]) -> str:
 
 
 def conversation_not_found(conversation_id: str) -> errors.APIError:
-    return errors.not_found(
-        "conversation_not_found", f"No conversation '{conversation_id}'.", "conversation.id"
-    )
+    return not_found(conversation_id, "conversation.id")

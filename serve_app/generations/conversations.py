@@ -1,9 +1,11 @@
-"""`/v1/conversations`: server-managed history, scoped to the caller's tenant.
+"""`/v1/conversations`: OpenAI's Conversations API (conversations with metadata, their message
+items), scoped to the caller's tenant, with our revision rule as an extension.
 
-A generation naming `conversation: {id, expected_revision}` claims the next turn atomically
-(a stale revision, or a turn already in progress, is 409 `stale_revision`); when it
-completes, its input messages and the reply are appended and the revision goes up by one.
-A generation that does not complete releases the turn and changes nothing.
+Every change to a conversation's items bumps its `revision` by one. Appending or deleting
+items may name `expected_revision` (409 `stale_revision` when it moved on), and is 409 while
+a generation holds the next turn. A generation naming `conversation: {id, expected_revision}`
+claims that turn atomically; when it completes, its input messages and the reply are appended
+as items and the revision goes up by one; any other ending releases the turn unchanged.
 """
 
 from __future__ import annotations
@@ -15,24 +17,46 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from serve_app import errors
 from serve_app.access.keys import principal_of
 from serve_app.config.profiles import GenerationOptions
-from serve_app.generations.protocol import ConversationCreate, parse_body
-from serve_app.store.base import ConversationRecord, Store
+from serve_app.generations.protocol import (
+    ConversationCreate,
+    ConversationItemsCreate,
+    ConversationUpdate,
+    parse_body,
+)
+from serve_app.resources.conversations import append_items, applied, item_not_found, not_found
+from serve_app.store.base import ConversationRecord, EditOutcome, Store
+
+MAX_LIST_LIMIT = 100
+DEFAULT_LIST_LIMIT = 20
+PARAM = "conversation_id"
 
 
 def conversation_json(record: ConversationRecord) -> dict[str, Any]:
+    """OpenAI's conversation object; `revision`, `pending_generation` and `expires_at` are
+    ours (the SDK keeps unknown fields)."""
     return {
         "id": record.id,
         "object": "conversation",
+        "created_at": int(record.created_at),
+        "metadata": record.metadata,
         "revision": record.revision,
-        "messages": record.messages,
         "pending_generation": record.pending_generation,
-        "created_at": record.created_at,
-        "updated_at": record.updated_at,
         "expires_at": record.expires_at,
+    }
+
+
+def item_list(items: list[dict[str, Any]], has_more: bool = False) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": has_more,
     }
 
 
@@ -42,49 +66,168 @@ class ConversationsAPI:
         self.options = options
         self.admit = admit
 
+    def routes(self) -> list[Route]:
+        base = "/v1/conversations/{conversation_id}"
+        return [
+            Route("/v1/conversations", self.create, methods=["POST"]),
+            Route(base, self.get, methods=["GET"]),
+            Route(base, self.update, methods=["POST"]),
+            Route(base, self.delete, methods=["DELETE"]),
+            Route(base + "/items", self.list_items, methods=["GET"]),
+            Route(base + "/items", self.create_items, methods=["POST"]),
+            Route(base + "/items/{item_id}", self.get_item, methods=["GET"]),
+            Route(base + "/items/{item_id}", self.delete_item, methods=["DELETE"]),
+        ]
+
+    @property
+    def expires_at(self) -> float:
+        # Retention counts from a conversation's last change.
+        return time.time() + self.options.retention_s
+
+    # ---------------------------------------------------------------- conversations
+
     async def create(self, request: Request) -> Response:
         if self.admit is not None:
             await self.admit()
-        body = await request.body()
-        req: ConversationCreate = parse_body(ConversationCreate, body)
+        req: ConversationCreate = parse_body(ConversationCreate, await request.body())
         now = time.time()
         record = ConversationRecord(
             id="conv_" + uuid.uuid4().hex,
             tenant=principal_of(request).tenant,
             revision=0,
-            messages=[m.model_dump() for m in req.messages],
+            items=[item.stored() for item in req.items or ()],
             created_at=now,
             updated_at=now,
             expires_at=now + self.options.retention_s,
+            metadata=req.metadata or {},
         )
         await asyncio.to_thread(self.store.create_conversation, record)
+        root = request.scope.get("root_path", "")
         return JSONResponse(
             conversation_json(record),
             status_code=201,
-            headers={
-                "Location": f"{request.scope.get('root_path', '')}/v1/conversations/{record.id}"
-            },
+            headers={"Location": f"{root}/v1/conversations/{record.id}"},
         )
 
     async def get(self, request: Request) -> Response:
-        cid = request.path_params["conversation_id"]
-        tenant = principal_of(request).tenant
-        record = await asyncio.to_thread(self.store.get_conversation, tenant, cid)
+        return JSONResponse(conversation_json(await self._record(request)))
+
+    async def update(self, request: Request) -> Response:
+        req: ConversationUpdate = parse_body(ConversationUpdate, await request.body())
+        cid, tenant = self._ids(request)
+        record = await asyncio.to_thread(
+            self.store.update_conversation_metadata, tenant, cid, req.metadata or {},
+            self.expires_at,
+        )  # fmt: skip
         if record is None:
-            raise not_found(cid)
+            raise not_found(cid, PARAM)
         return JSONResponse(conversation_json(record))
 
     async def delete(self, request: Request) -> Response:
-        cid = request.path_params["conversation_id"]
-        tenant = principal_of(request).tenant
+        cid, tenant = self._ids(request)
         if not await asyncio.to_thread(self.store.delete_conversation, tenant, cid):
-            raise not_found(cid)
+            raise not_found(cid, PARAM)
         return JSONResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
 
+    # ------------------------------------------------------------------------ items
 
-def not_found(conversation_id: str) -> errors.APIError:
-    return errors.not_found(
-        "conversation_not_found",
-        f"No conversation '{errors.echo(conversation_id)}'.",
-        "conversation_id",
-    )
+    async def list_items(self, request: Request) -> Response:
+        """Newest first unless `order=asc`, `limit` per page, paged by `after` (an item id)."""
+        refuse_include(request)
+        params = request.query_params
+        order = params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise errors.invalid_request("'order' is 'asc' or 'desc'.", "order")
+        limit = list_limit(params.get("limit"))
+        items = list((await self._record(request)).items)
+        if order == "desc":
+            items.reverse()
+        after = params.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise errors.invalid_request(f"No item '{errors.echo(after)}'.", "after")
+            items = items[ids.index(after) + 1 :]
+        return JSONResponse(item_list(items[:limit], has_more=len(items) > limit))
+
+    async def create_items(self, request: Request) -> Response:
+        """Appends under the revision rule; answers the added items (OpenAI's list)."""
+        refuse_include(request)
+        if self.admit is not None:
+            await self.admit()
+        req: ConversationItemsCreate = parse_body(ConversationItemsCreate, await request.body())
+        cid, tenant = self._ids(request)
+        items = [item.stored() for item in req.items]
+        await append_items(
+            self.store, tenant, cid, items, expected_revision=req.expected_revision,
+            retention_s=self.options.retention_s, param=PARAM,
+        )  # fmt: skip
+        return JSONResponse(item_list(items))
+
+    async def get_item(self, request: Request) -> Response:
+        refuse_include(request)
+        item_id = request.path_params["item_id"]
+        for item in (await self._record(request)).items:
+            if item["id"] == item_id:
+                return JSONResponse(item)
+        raise item_not_found(item_id)
+
+    async def delete_item(self, request: Request) -> Response:
+        """Removes the item under the revision rule (`?expected_revision=N`); answers the
+        conversation, as OpenAI's does."""
+        cid, tenant = self._ids(request)
+        item_id = request.path_params["item_id"]
+        expected = expected_revision(request.query_params.get("expected_revision"))
+        result = await asyncio.to_thread(
+            self.store.delete_conversation_item, tenant, cid, item_id, expected, self.expires_at
+        )
+        if result.outcome is EditOutcome.ITEM_NOT_FOUND:
+            raise item_not_found(item_id)
+        return JSONResponse(conversation_json(applied(result, cid, expected, PARAM)))
+
+    # ---------------------------------------------------------------------- helpers
+
+    def _ids(self, request: Request) -> tuple[str, str]:
+        return request.path_params["conversation_id"], principal_of(request).tenant
+
+    async def _record(self, request: Request) -> ConversationRecord:
+        cid, tenant = self._ids(request)
+        record = await asyncio.to_thread(self.store.get_conversation, tenant, cid)
+        if record is None:
+            raise not_found(cid, PARAM)
+        return record
+
+
+def refuse_include(request: Request) -> None:
+    """`include` asks for output data (logprobs, image urls) that is never stored here."""
+    for name in ("include", "include[]"):
+        if request.query_params.getlist(name):
+            raise errors.unsupported_parameter(
+                "include", "no additional item data (logprobs, image urls) is stored"
+            )
+
+
+def list_limit(value: str | None) -> int:
+    if value is None:
+        return DEFAULT_LIST_LIMIT
+    try:
+        limit = int(value)
+    except ValueError:
+        raise errors.invalid_request("'limit' is an integer.", "limit") from None
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise errors.invalid_request(f"'limit' is 1 to {MAX_LIST_LIMIT}.", "limit")
+    return limit
+
+
+def expected_revision(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        revision = int(value)
+    except ValueError:
+        revision = -1
+    if revision < 0:
+        raise errors.invalid_request(
+            "'expected_revision' is a non-negative integer.", "expected_revision"
+        )
+    return revision

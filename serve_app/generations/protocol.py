@@ -1,18 +1,29 @@
 """Request bodies of `/v1/generations` and `/v1/conversations` (strict: unknown fields are a
-400 naming the field), and the normalized form an Idempotency-Key is recorded with (`body_hash`)."""
+400 naming the field), and the normalized form an Idempotency-Key is recorded with (`body_hash`).
+Conversation bodies take OpenAI's Conversations API shapes (message items, metadata)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from serve_app import errors
 from serve_app.protocol.parsing import from_validation_error, load_json_object
+from serve_app.store.items import message_item
 
 MAX_MESSAGES = 256
+# OpenAI's bounds: at most 16 pairs, keys of 64 and values of 512 characters.
+MAX_METADATA_KEYS = 16
+Metadata = Annotated[
+    dict[
+        Annotated[str, StringConstraints(max_length=64)],
+        Annotated[str, StringConstraints(max_length=512)],
+    ],
+    Field(max_length=MAX_METADATA_KEYS),
+]
 
 
 class Strict(BaseModel):
@@ -58,13 +69,80 @@ class GenerationCreate(Strict):
         return hashlib.sha256(text.encode()).hexdigest()
 
 
+class TextPart(Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    # An assistant item read back from a conversation carries these.
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(Strict):
+    """A message item of the Responses API's input (`{"role", "content"}` is one too)."""
+
+    type: Literal["message"] = "message"
+    # No "system" or "developer": a generation's profile owns the instructions.
+    role: Literal["user", "assistant"]
+    content: str | list[TextPart]
+    # An item read back may be sent again: the stored copy gets an id of its own.
+    id: str | None = None
+    status: str | None = None
+
+    def stored(self) -> dict[str, Any]:
+        if isinstance(self.content, str):
+            return message_item(self.role, self.content)
+        return message_item(self.role, "".join(part.text for part in self.content))
+
+
+Items = Annotated[list[MessageItem], Field(max_length=MAX_MESSAGES)]
+
+
 class ConversationCreate(Strict):
-    messages: list[InputMessage] = Field(default_factory=list, max_length=MAX_MESSAGES)
-    metadata: dict[str, str] | None = None
+    items: Items | None = None
+    metadata: Metadata | None = None
+    # Accepted and ignored: changes nothing here.
+    safety_identifier: str | None = None
+
+
+class ConversationUpdate(Strict):
+    metadata: Metadata | None
+
+
+class ConversationItemsCreate(Strict):
+    items: Annotated[list[MessageItem], Field(min_length=1, max_length=MAX_MESSAGES)]
+    # Our extension: append only at this revision (409 stale_revision otherwise).
+    expected_revision: int | None = Field(None, ge=0)
+
+
+ITEM_TYPES = "message items only (function calls and tool outputs are not stored yet)"
+TEXT_PARTS = ("input_text", "output_text")
+
+
+def check_item_types(data: dict[str, Any]) -> None:
+    """Known OpenAI item and part types this server does not store: refused by name."""
+    items = data.get("items")
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type", "message")
+        if isinstance(kind, str) and kind != "message":
+            raise errors.unsupported_parameter(
+                f"items.{i}.type", f"'{errors.echo(kind)}': {ITEM_TYPES}"
+            )
+        parts = item.get("content")
+        for j, part in enumerate(parts if isinstance(parts, list) else ()):
+            ptype = part.get("type") if isinstance(part, dict) else None
+            if isinstance(ptype, str) and ptype not in TEXT_PARTS:
+                raise errors.unsupported_parameter(
+                    f"items.{i}.content.{j}.type",
+                    f"content parts of type '{errors.echo(ptype)}' (text only)",
+                )
 
 
 def parse_body(model: type[Strict], body: bytes) -> Any:
     data: dict[str, Any] = load_json_object(body) if body.strip() else {}
+    if "items" in model.model_fields:
+        check_item_types(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

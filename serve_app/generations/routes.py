@@ -29,6 +29,7 @@ from serve_app.config.options import ServeConfig
 from serve_app.generations.admission import GenerationAdmission, conversation_not_found
 from serve_app.generations.conversations import ConversationsAPI
 from serve_app.generations.protocol import GenerationCreate, parse_body
+from serve_app.resources.conversations import stale_revision
 from serve_app.resources.idempotency import HEADER as IDEMPOTENCY_HEADER
 from serve_app.resources.idempotency import REPLAYED_HEADER, idempotency_key, key_reused
 from serve_app.resources.resource import resource_json
@@ -89,9 +90,7 @@ class GenerationsAPI:
             Route("/v1/generations", self.create, methods=["POST"]),
             Route("/v1/generations/{generation_id}", self.get, methods=["GET"]),
             Route("/v1/generations/{generation_id}/cancel", self.cancel, methods=["POST"]),
-            Route("/v1/conversations", conv.create, methods=["POST"]),
-            Route("/v1/conversations/{conversation_id}", conv.get, methods=["GET"]),
-            Route("/v1/conversations/{conversation_id}", conv.delete, methods=["DELETE"]),
+            *conv.routes(),
         ]
 
     def start_upkeep(self) -> None:
@@ -147,13 +146,7 @@ class GenerationsAPI:
             raise conversation_not_found(req.conversation.id)
         if outcome is InsertOutcome.STALE_REVISION:
             assert req.conversation is not None and result.conversation is not None
-            conv = result.conversation
-            busy = " (another turn is in progress)" if conv.pending_generation else ""
-            raise errors.conflict(
-                "stale_revision",
-                f"Conversation '{conv.id}' is at revision {conv.revision}{busy}; this request "
-                f"expected revision {req.conversation.expected_revision}.",
-            )
+            raise stale_revision(result.conversation, req.conversation.expected_revision)
         if outcome is InsertOutcome.REPLAY:
             assert result.generation is not None
             return await self._replay(req, result.generation, root)

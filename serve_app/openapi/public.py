@@ -15,8 +15,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from serve_app.generations.conversations import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT
 from serve_app.generations.protocol import (
     ConversationCreate,
+    ConversationItemsCreate,
+    ConversationUpdate,
     GenerationCreate,
 )
 from serve_app.openai.request_ids import MAX_ID_CHARS
@@ -32,6 +35,8 @@ from serve_app.openapi.document import (
 from serve_app.openapi.replies import (
     Conversation,
     ConversationDeleted,
+    ConversationItem,
+    ConversationItemList,
     Generation,
     Health,
     InputItemList,
@@ -90,6 +95,23 @@ IDEMPOTENCY_KEY = Param(
 )
 GENERATION_ID = Param("generation_id", "path", "A generation's id (`gen_...`).")
 CONVERSATION_ID = Param("conversation_id", "path", "A conversation's id (`conv_...`).")
+ITEM_ID = Param("item_id", "path", "An item's id (`msg_...`).")
+LIST_PARAMS = (
+    Param(
+        "limit", "query", f"Items per page (default {DEFAULT_LIST_LIMIT}).",
+        {"type": "integer", "minimum": 1, "maximum": MAX_LIST_LIMIT},
+    ),
+    Param(
+        "order", "query", "`desc` (newest first, the default) or `asc`.",
+        {"type": "string", "enum": ["asc", "desc"]},
+    ),
+    Param("after", "query", "An item id of this conversation: the page after it."),
+)  # fmt: skip
+EXPECTED_REVISION = Param(
+    "expected_revision", "query",
+    "Delete only at this revision (409 `stale_revision` otherwise).",
+    {"type": "integer", "minimum": 0},
+)  # fmt: skip
 RESPONSE_ID = Param("response_id", "path", "A stored response's id (`resp_...`).")
 # Every typed event of a streamed response; the last is its terminal one.
 RESPONSE_EVENTS = (
@@ -188,20 +210,52 @@ OPERATIONS: list[Operation] = [
         errors=(404, 500), params=(GENERATION_ID,),
     ),
     Operation(
-        "post", "/v1/conversations", "create_conversation", "Start a conversation.",
-        "generations", {201: Reply("The conversation.", Conversation, headers=("Location",))},
+        "post", "/v1/conversations", "create_conversation",
+        "Start a conversation (OpenAI's Conversations API).", "conversations",
+        {201: Reply("The conversation.", Conversation, headers=("Location",))},
         errors=(400, 413, 500, 503), body=ConversationCreate, body_required=False,
     ),
     Operation(
         "get", "/v1/conversations/{conversation_id}", "get_conversation", "A conversation.",
-        "generations", {200: Reply("The conversation.", Conversation)}, errors=(404, 500),
+        "conversations", {200: Reply("The conversation.", Conversation)}, errors=(404, 500),
         params=(CONVERSATION_ID,),
     ),
     Operation(
+        "post", "/v1/conversations/{conversation_id}", "update_conversation",
+        "Replace a conversation's metadata.", "conversations",
+        {200: Reply("The conversation (its revision unchanged).", Conversation)},
+        errors=(400, 404, 413, 500), body=ConversationUpdate, params=(CONVERSATION_ID,),
+    ),
+    Operation(
         "delete", "/v1/conversations/{conversation_id}", "delete_conversation",
-        "Delete a conversation.", "generations",
+        "Delete a conversation.", "conversations",
         {200: Reply("Deleted.", ConversationDeleted)}, errors=(404, 500),
         params=(CONVERSATION_ID,),
+    ),
+    Operation(
+        "get", "/v1/conversations/{conversation_id}/items", "list_conversation_items",
+        "A conversation's items.", "conversations",
+        {200: Reply("The items, newest first unless order=asc.", ConversationItemList)},
+        errors=(400, 404, 500), params=(CONVERSATION_ID, *LIST_PARAMS),
+    ),
+    Operation(
+        "post", "/v1/conversations/{conversation_id}/items", "create_conversation_items",
+        "Append items (the revision goes up by one).", "conversations",
+        {200: Reply("The items added.", ConversationItemList)},
+        errors=(400, 404, 409, 413, 500, 503), body=ConversationItemsCreate,
+        params=(CONVERSATION_ID,),
+    ),
+    Operation(
+        "get", "/v1/conversations/{conversation_id}/items/{item_id}",
+        "get_conversation_item", "One item of a conversation.", "conversations",
+        {200: Reply("The item.", ConversationItem)}, errors=(404, 500),
+        params=(CONVERSATION_ID, ITEM_ID),
+    ),
+    Operation(
+        "delete", "/v1/conversations/{conversation_id}/items/{item_id}",
+        "delete_conversation_item", "Delete an item (the revision goes up by one).",
+        "conversations", {200: Reply("The conversation.", Conversation)},
+        errors=(400, 404, 409, 500), params=(CONVERSATION_ID, ITEM_ID, EXPECTED_REVISION),
     ),
 ]  # fmt: skip
 

@@ -82,20 +82,40 @@ class OutputDelta(Open):
     usage: GenerationUsage
 
 
-class StoredMessage(Open):
-    role: Literal["user", "assistant"]
-    content: str
-
-
 class Conversation(Open):
+    """OpenAI's conversation object; `revision`, `pending_generation` and `expires_at` are
+    ours."""
+
     id: str
     object: Literal["conversation"]
+    created_at: int
+    metadata: dict[str, str]
     revision: int
-    messages: list[StoredMessage]
     pending_generation: str | None
-    created_at: float
-    updated_at: float
     expires_at: float
+
+
+class ItemText(Open):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class ConversationItem(Open):
+    """A message item of a conversation, as OpenAI's Conversations API lists it."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["user", "assistant"]
+    status: Literal["completed"]
+    content: list[ItemText]
+
+
+class ConversationItemList(Open):
+    object: Literal["list"]
+    data: list[ConversationItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 class ConversationDeleted(Open):

@@ -13,7 +13,7 @@ Schema (plain SQL types, JSON as TEXT, times as REAL Unix seconds):
                 created_at REAL, updated_at REAL, expires_at REAL NULL)
     idempotency_keys(tenant TEXT, operation TEXT, key TEXT, body_hash TEXT,
                      generation_id TEXT, expires_at REAL, PK(tenant, operation, key))
-    conversations(id TEXT PK, tenant TEXT, revision INTEGER, messages TEXT,
+    conversations(id TEXT PK, tenant TEXT, revision INTEGER, items TEXT, metadata TEXT,
                   pending_generation TEXT NULL, created_at REAL, updated_at REAL,
                   expires_at REAL)
     owners(owner TEXT PK, heartbeat_at REAL)
@@ -59,15 +59,19 @@ class GenerationRecord:
 
 @dataclass(frozen=True)
 class ConversationRecord:
+    """A conversation: its message items in order (`store.items`), each with its id; any
+    change to them bumps `revision` by one."""
+
     id: str
     tenant: str
     revision: int
-    messages: list[dict[str, Any]]
+    items: list[dict[str, Any]]
     created_at: float
     updated_at: float
     expires_at: float
     # The generation that holds the next turn, if any (at most one at a time).
     pending_generation: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,8 @@ class ConversationTurn:
 
 @dataclass(frozen=True)
 class TurnAppend:
-    """What a finished generation adds to the conversation turn it held."""
+    """What a finished generation adds to the conversation turn it held: chat messages
+    (`{"role", "content"}`), stored as new message items."""
 
     messages: list[dict[str, Any]]
     # The conversation's new expiry (retention counts from its last change).
@@ -106,6 +111,20 @@ class ResponseRecord:
     data: dict[str, Any]
     created_at: float
     expires_at: float
+
+
+class EditOutcome(Enum):
+    APPLIED = "applied"
+    CONVERSATION_NOT_FOUND = "conversation_not_found"
+    ITEM_NOT_FOUND = "item_not_found"
+    STALE_REVISION = "stale_revision"  # revision moved on, or a turn is pending
+
+
+@dataclass(frozen=True)
+class EditResult:
+    outcome: EditOutcome
+    # APPLIED: the conversation after the edit; STALE_REVISION / ITEM_NOT_FOUND: as it is.
+    conversation: ConversationRecord | None = None
 
 
 class InsertOutcome(Enum):
@@ -190,6 +209,36 @@ class Store(ABC):
     def delete_conversation(self, tenant: str, conversation_id: str) -> bool: ...
 
     @abstractmethod
+    def update_conversation_metadata(
+        self, tenant: str, conversation_id: str, metadata: dict[str, str], expires_at: float
+    ) -> ConversationRecord | None:
+        """Replace the metadata (the revision stays: the history did not change)."""
+
+    @abstractmethod
+    def append_conversation_items(
+        self,
+        tenant: str,
+        conversation_id: str,
+        items: list[dict[str, Any]],
+        expected_revision: int | None,
+        expires_at: float,
+    ) -> EditResult:
+        """Append items and bump the revision by one, under the revision rule: STALE_REVISION
+        (nothing written) while a generation holds the next turn, or when `expected_revision`
+        is given and the revision moved on."""
+
+    @abstractmethod
+    def delete_conversation_item(
+        self,
+        tenant: str,
+        conversation_id: str,
+        item_id: str,
+        expected_revision: int | None,
+        expires_at: float,
+    ) -> EditResult:
+        """Remove one item and bump the revision, under the same rule as appending."""
+
+    @abstractmethod
     def insert_response(self, record: ResponseRecord) -> None:
         """Record a finished response (its id is new)."""
 
@@ -218,7 +267,7 @@ class Store(ABC):
 GEN_COLUMNS = "id, tenant, status, owner, data, created_at, updated_at, expires_at"
 RESPONSE_COLUMNS = "id, tenant, status, data, created_at, expires_at"
 CONV_COLUMNS = (
-    "id, tenant, revision, messages, pending_generation, created_at, updated_at, expires_at"
+    "id, tenant, revision, items, pending_generation, created_at, updated_at, expires_at, metadata"
 )
 
 
@@ -230,9 +279,17 @@ def generation_from_row(row: tuple[Any, ...]) -> GenerationRecord:
 
 
 def conversation_from_row(row: tuple[Any, ...]) -> ConversationRecord:
-    cid, tenant, revision, messages, pending, created_at, updated_at, expires_at = row
+    cid, tenant, revision, items, pending, created_at, updated_at, expires_at, metadata = row
     return ConversationRecord(
-        cid, tenant, revision, json.loads(messages), created_at, updated_at, expires_at, pending
+        cid,
+        tenant,
+        revision,
+        json.loads(items),
+        created_at,
+        updated_at,
+        expires_at,
+        pending,
+        json.loads(metadata),
     )
 
 
@@ -244,6 +301,8 @@ def response_from_row(row: tuple[Any, ...]) -> ResponseRecord:
 __all__ = [
     "ConversationRecord",
     "ConversationTurn",
+    "EditOutcome",
+    "EditResult",
     "GenerationRecord",
     "IdempotencyKey",
     "InsertOutcome",

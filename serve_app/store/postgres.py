@@ -33,9 +33,9 @@ SCHEMA = [
         expires_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (tenant, operation, key))""",
     """CREATE TABLE IF NOT EXISTS conversations (
         id TEXT PRIMARY KEY, tenant TEXT NOT NULL, revision BIGINT NOT NULL,
-        messages TEXT NOT NULL, pending_generation TEXT,
+        items TEXT NOT NULL, pending_generation TEXT,
         created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL,
-        expires_at DOUBLE PRECISION NOT NULL)""",
+        expires_at DOUBLE PRECISION NOT NULL, metadata TEXT NOT NULL DEFAULT '{}')""",
     """CREATE TABLE IF NOT EXISTS owners (
         owner TEXT PRIMARY KEY, heartbeat_at DOUBLE PRECISION NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS responses (
@@ -74,6 +74,12 @@ class PostgresStore(SQLStore):
             cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
             for statement in SCHEMA:
                 cur.execute(statement)
+            cur.execute(
+                "SELECT column_name FROM information_schema.columns"
+                " WHERE table_schema = current_schema() AND table_name = 'conversations'"
+            )
+            columns = {row[0] for row in cur.fetchall()}
+            self._migrate_conversations(_Cursor(cur), columns)
 
     def _connect(self) -> psycopg.Connection[Any]:
         # autocommit: each `transaction()` block below is one explicit BEGIN ... COMMIT.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -22,6 +22,8 @@ from serve_app.store.base import (
     UNFINISHED_STATUSES,
     ConversationRecord,
     ConversationTurn,
+    EditOutcome,
+    EditResult,
     GenerationRecord,
     IdempotencyKey,
     InsertOutcome,
@@ -33,6 +35,7 @@ from serve_app.store.base import (
     generation_from_row,
     response_from_row,
 )
+from serve_app.store.items import items_of_messages
 
 
 class SQL(Protocol):
@@ -181,19 +184,19 @@ class SQLStore(Store):
             if not self._update(db, record, expected_status):
                 return False
             row = db.execute(
-                "SELECT id, messages, revision FROM conversations"
+                "SELECT id, items, revision FROM conversations"
                 " WHERE tenant = ? AND pending_generation = ?" + self.ROW_LOCK,
                 (record.tenant, record.id),
             ).fetchone()
             if row is None:
                 return True
             if append is not None:
-                messages = json.loads(row[1]) + append.messages
+                items = json.loads(row[1]) + items_of_messages(append.messages)
                 db.execute(
-                    "UPDATE conversations SET messages = ?, revision = ?,"
+                    "UPDATE conversations SET items = ?, revision = ?,"
                     " pending_generation = NULL, updated_at = ?, expires_at = ? WHERE id = ?",
                     (
-                        json.dumps(messages),
+                        json.dumps(items),
                         row[2] + 1,
                         record.updated_at,
                         append.expires_at,
@@ -230,16 +233,17 @@ class SQLStore(Store):
     def create_conversation(self, record: ConversationRecord) -> None:
         with self._write() as db:
             db.execute(
-                f"INSERT INTO conversations ({CONV_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO conversations ({CONV_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.id,
                     record.tenant,
                     record.revision,
-                    json.dumps(record.messages),
+                    json.dumps(record.items),
                     record.pending_generation,
                     record.created_at,
                     record.updated_at,
                     record.expires_at,
+                    json.dumps(record.metadata),
                 ),
             )
 
@@ -264,6 +268,88 @@ class SQLStore(Store):
                 (conversation_id, tenant, self.clock()),
             )
             return cursor.rowcount == 1
+
+    def update_conversation_metadata(
+        self, tenant: str, conversation_id: str, metadata: dict[str, str], expires_at: float
+    ) -> ConversationRecord | None:
+        with self._write() as db:
+            cursor = db.execute(
+                "UPDATE conversations SET metadata = ?, updated_at = ?, expires_at = ?"
+                " WHERE id = ? AND tenant = ? AND expires_at > ?",
+                (json.dumps(metadata), self.clock(), expires_at, conversation_id, tenant,
+                 self.clock()),
+            )  # fmt: skip
+            if cursor.rowcount != 1:
+                return None
+            return self._get_conversation(db, tenant, conversation_id)
+
+    def append_conversation_items(
+        self,
+        tenant: str,
+        conversation_id: str,
+        items: list[dict[str, Any]],
+        expected_revision: int | None,
+        expires_at: float,
+    ) -> EditResult:
+        return self._edit_items(
+            tenant, conversation_id, expected_revision, expires_at, lambda old: old + items
+        )
+
+    def delete_conversation_item(
+        self,
+        tenant: str,
+        conversation_id: str,
+        item_id: str,
+        expected_revision: int | None,
+        expires_at: float,
+    ) -> EditResult:
+        def without(old: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+            kept = [item for item in old if item.get("id") != item_id]
+            return None if len(kept) == len(old) else kept
+
+        return self._edit_items(tenant, conversation_id, expected_revision, expires_at, without)
+
+    def _edit_items(
+        self,
+        tenant: str,
+        conversation_id: str,
+        expected_revision: int | None,
+        expires_at: float,
+        edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]] | None],
+    ) -> EditResult:
+        """The revision rule, then `edit` (None: the item it names is not there)."""
+        with self._write() as db:
+            conv = self._get_conversation(db, tenant, conversation_id, lock=True)
+            if conv is None:
+                return EditResult(EditOutcome.CONVERSATION_NOT_FOUND)
+            stale = expected_revision is not None and expected_revision != conv.revision
+            if stale or conv.pending_generation is not None:
+                return EditResult(EditOutcome.STALE_REVISION, conv)
+            items = edit(conv.items)
+            if items is None:
+                return EditResult(EditOutcome.ITEM_NOT_FOUND, conv)
+            now = self.clock()
+            db.execute(
+                "UPDATE conversations SET items = ?, revision = ?, updated_at = ?,"
+                " expires_at = ? WHERE id = ?",
+                (json.dumps(items), conv.revision + 1, now, expires_at, conv.id),
+            )
+            edited = ConversationRecord(
+                conv.id, tenant, conv.revision + 1, items, conv.created_at, now, expires_at,
+                None, conv.metadata,
+            )  # fmt: skip
+            return EditResult(EditOutcome.APPLIED, edited)
+
+    def _migrate_conversations(self, db: SQL, columns: set[str]) -> None:
+        """A conversations table of the first schema (`messages` as chat messages, no
+        metadata) becomes the current one: its messages become items with ids."""
+        if "items" in columns or "messages" not in columns:
+            return
+        db.execute("ALTER TABLE conversations RENAME COLUMN messages TO items")
+        db.execute("ALTER TABLE conversations ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}'")
+        for cid, messages in db.execute("SELECT id, items FROM conversations").fetchall():
+            items = items_of_messages(json.loads(messages))
+            db.execute("UPDATE conversations SET items = ? WHERE id = ?", (json.dumps(items), cid))
 
     # ------------------------------------------------------------------ responses
 

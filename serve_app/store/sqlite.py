@@ -29,8 +29,8 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
 );
 CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, revision INTEGER NOT NULL,
-    messages TEXT NOT NULL, pending_generation TEXT, created_at REAL NOT NULL,
-    updated_at REAL NOT NULL, expires_at REAL NOT NULL
+    items TEXT NOT NULL, pending_generation TEXT, created_at REAL NOT NULL,
+    updated_at REAL NOT NULL, expires_at REAL NOT NULL, metadata TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS owners (owner TEXT PRIMARY KEY, heartbeat_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS responses (
@@ -79,6 +79,8 @@ class SQLiteStore(SQLStore):
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(conversations)")}
+            self._migrate_conversations(db, columns)
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:

@@ -59,6 +59,7 @@ def config(tmp_path_factory):
 
 def _public_app(config) -> Any:
     """The ingress' Starlette app, its handlers stubbed (routes and middleware are real)."""
+    from serve_app.generations.conversations import ConversationsAPI
     from serve_app.generations.routes import GenerationsAPI
     from serve_app.ingress import Ingress
     from serve_app.responses.routes import ResponsesAPI
@@ -66,7 +67,11 @@ def _public_app(config) -> Any:
     def handler(request):  # never called: only the route table is read
         raise AssertionError
 
-    conversations = SimpleNamespace(create=handler, get=handler, delete=handler)
+    conversations = SimpleNamespace(
+        create=handler, get=handler, update=handler, delete=handler, list_items=handler,
+        create_items=handler, get_item=handler, delete_item=handler,
+    )  # fmt: skip
+    conversations.routes = lambda: ConversationsAPI.routes(conversations)
     generations = SimpleNamespace(
         create=handler, get=handler, cancel=handler, conversations=conversations
     )

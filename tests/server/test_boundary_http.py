@@ -63,8 +63,8 @@ ENDPOINTS: list[Endpoint] = [
     ("/v1/generations", lambda m, t: {"profile": "support_reply_v3", "input": t}, "input"),
     (
         "/v1/conversations",
-        lambda m, t: {"messages": [{"role": "user", "content": t}]},
-        "messages.0.content",
+        lambda m, t: {"items": [{"role": "user", "content": t}]},
+        "items.0.content",
     ),
 ]
 

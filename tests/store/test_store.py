@@ -17,6 +17,7 @@ import pytest
 from serve_app.store.base import (
     ConversationRecord,
     ConversationTurn,
+    EditOutcome,
     GenerationRecord,
     IdempotencyKey,
     InsertOutcome,
@@ -24,6 +25,7 @@ from serve_app.store.base import (
     Store,
     TurnAppend,
 )
+from serve_app.store.items import as_chat_messages, message_item
 from serve_app.store.sqlite import SQLiteStore
 
 BACKENDS = ["sqlite", "postgresql"]
@@ -208,7 +210,9 @@ def test_conversation_turns_need_the_current_revision(store: Store) -> None:
     append = TurnAppend(messages, expires_at=3e6)
     assert store.finish_generation(gen("gen_1", status="completed"), {"queued"}, append)
     got = store.get_conversation("t1", "conv_1")
-    assert got is not None and got.revision == 1 and got.messages == messages
+    assert got is not None and got.revision == 1 and as_chat_messages(got.items) == messages
+    assert [item["type"] for item in got.items] == ["message", "message"]
+    assert len({item["id"] for item in got.items}) == 2
     assert got.expires_at == 3e6
     assert got.pending_generation is None
     assert store.insert_generation(gen("gen_3"), turn=turn).outcome is InsertOutcome.STALE_REVISION
@@ -222,7 +226,7 @@ def test_a_failed_turn_releases_the_conversation_unchanged(store: Store) -> None
     store.insert_generation(gen("gen_1"), turn=turn)
     assert store.finish_generation(gen("gen_1", status="failed"), {"queued", "running"})
     got = store.get_conversation("t1", "conv_1")
-    assert got is not None and got.revision == 0 and got.messages == []
+    assert got is not None and got.revision == 0 and got.items == []
     assert store.insert_generation(gen("gen_2"), turn=turn).outcome is InsertOutcome.CREATED
 
 
@@ -233,9 +237,106 @@ def test_conversations_are_tenant_scoped(store: Store) -> None:
     result = store.insert_generation(gen(tenant="t2"), turn=ConversationTurn("conv_1", 0))
     assert result.outcome is InsertOutcome.CONVERSATION_NOT_FOUND
     assert store.get_generation("t2", "gen_1") is None
+    assert store.update_conversation_metadata("t2", "conv_1", {"a": "b"}, 3e6) is None
+    edit = store.append_conversation_items("t2", "conv_1", [message_item("user", "x")], None, 3e6)
+    assert edit.outcome is EditOutcome.CONVERSATION_NOT_FOUND
+    edit = store.delete_conversation_item("t2", "conv_1", "msg_1", None, 3e6)
+    assert edit.outcome is EditOutcome.CONVERSATION_NOT_FOUND
     assert store.delete_conversation("t1", "conv_1")
     assert store.get_conversation("t1", "conv_1") is None
     assert not store.delete_conversation("t1", "conv_1")
+
+
+def test_item_edits_bump_the_revision_under_the_revision_rule(store: Store) -> None:
+    store.create_conversation(conv())
+    first, second = message_item("user", "q"), message_item("assistant", "a")
+    edit = store.append_conversation_items("t1", "conv_1", [first, second], 0, 3e6)
+    assert edit.outcome is EditOutcome.APPLIED and edit.conversation is not None
+    assert edit.conversation.revision == 1 and edit.conversation.items == [first, second]
+    # A stale expected revision writes nothing; none at all appends at whatever revision.
+    stale = store.append_conversation_items("t1", "conv_1", [first], 0, 3e6)
+    assert stale.outcome is EditOutcome.STALE_REVISION
+    assert stale.conversation is not None and stale.conversation.revision == 1
+    missing = store.delete_conversation_item("t1", "conv_1", "msg_none", None, 3e6)
+    assert missing.outcome is EditOutcome.ITEM_NOT_FOUND
+    deleted = store.delete_conversation_item("t1", "conv_1", first["id"], 1, 3e6)
+    assert deleted.outcome is EditOutcome.APPLIED
+    got = store.get_conversation("t1", "conv_1")
+    assert got is not None and got.revision == 2 and got.items == [second]
+    assert got.expires_at == 3e6
+    # Metadata is no history: the revision stays.
+    updated = store.update_conversation_metadata("t1", "conv_1", {"topic": "billing"}, 4e6)
+    assert updated is not None and updated.metadata == {"topic": "billing"}
+    assert updated.revision == 2 and updated.expires_at == 4e6
+
+
+def test_nothing_edits_the_items_while_a_turn_is_pending(store: Store) -> None:
+    store.create_conversation(conv())
+    store.insert_generation(gen("gen_1"), turn=ConversationTurn("conv_1", 0))
+    item = message_item("user", "q")
+    for edit in (
+        store.append_conversation_items("t1", "conv_1", [item], None, 3e6),
+        store.append_conversation_items("t1", "conv_1", [item], 0, 3e6),
+        store.delete_conversation_item("t1", "conv_1", "msg_x", None, 3e6),
+    ):
+        assert edit.outcome is EditOutcome.STALE_REVISION
+        assert edit.conversation is not None and edit.conversation.pending_generation == "gen_1"
+    store.finish_generation(gen("gen_1", status="failed"), {"queued"})
+    edit = store.append_conversation_items("t1", "conv_1", [item], 0, 3e6)
+    assert edit.outcome is EditOutcome.APPLIED
+
+
+OLD_CONVERSATIONS = (
+    "CREATE TABLE conversations (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, revision"
+    " INTEGER NOT NULL, messages TEXT NOT NULL, pending_generation TEXT, created_at REAL"
+    " NOT NULL, updated_at REAL NOT NULL, expires_at DOUBLE PRECISION NOT NULL)"
+)
+OLD_HISTORY = '[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]'
+
+
+def old_store(backend: str, tmp_path: Path, pg_url: str) -> Callable[[], Store]:
+    """A store written before conversations held items: chat messages, no metadata."""
+    insert = "INSERT INTO conversations VALUES ('c1', 't1', 3, %s, NULL, 1, 1, 9e12)"
+    if backend == "sqlite":
+        import sqlite3
+
+        path = tmp_path / "old.sqlite3"
+        with sqlite3.connect(path) as db:
+            db.execute(OLD_CONVERSATIONS)
+            db.execute(insert.replace("%s", "?"), (OLD_HISTORY,))
+        return lambda: SQLiteStore(path)
+    import psycopg
+
+    from serve_app.store.postgres import PostgresStore
+
+    with psycopg.connect(pg_url) as db:
+        db.execute(OLD_CONVERSATIONS)
+        db.execute(insert, (OLD_HISTORY,))
+    return lambda: PostgresStore(pg_url)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_conversation_of_the_first_schema_reads_as_items(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    pg_url = request.getfixturevalue("postgres_url") if backend == "postgresql" else ""
+    open_old = old_store(backend, tmp_path, pg_url)
+    store = open_old()
+    try:
+        got = store.get_conversation("t1", "c1")
+        assert got is not None and got.revision == 3 and got.metadata == {}
+        assert as_chat_messages(got.items) == [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+        ]
+        assert all(item["id"].startswith("msg_") for item in got.items)
+    finally:
+        store.close()
+    again = open_old()  # migrated once: the ids stay
+    try:
+        assert again.get_conversation("t1", "c1") == got
+    finally:
+        again.close()
 
 
 # ---------------------------------------------------------------------- responses
