@@ -365,6 +365,39 @@ def test_generations_are_tenant_scoped_and_profiles_need_permission(keyed: Keyed
     assert get_generation(keyed, "key-alpha", gid).json()["status"] == r.json()["status"]
 
 
+def test_conversations_are_tenant_scoped_on_every_route(keyed: Keyed):
+    """Another tenant's conversation id is 404 on every conversation and item route and as
+    a generation's conversation, as an id that never existed; nothing of it changes."""
+
+    def call(method: str, key: str, path: str = "", **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"}
+        url = f"{keyed.url}/v1/conversations{path}"
+        return httpx.request(method, url, headers=headers, timeout=60, **kwargs)
+
+    items = {"items": [{"role": "user", "content": "my order arrived damaged"}]}
+    created = call("POST", "key-alpha", json={**items, "metadata": {"owner": "alpha"}})
+    assert created.status_code == 201, created.text
+    cid = created.json()["id"]
+    (item,) = call("GET", "key-alpha", f"/{cid}/items").json()["data"]
+    for cid_tried in (cid, "conv_never_existed"):
+        base = f"/{cid_tried}"
+        for method, path, body in (
+            ("GET", base, None), ("POST", base, {"metadata": {"owner": "beta"}}),
+            ("GET", f"{base}/items", None), ("POST", f"{base}/items", items),
+            ("GET", f"{base}/items/{item['id']}", None),
+            ("DELETE", f"{base}/items/{item['id']}", None), ("DELETE", base, None),
+        ):  # fmt: skip
+            r = call(method, "key-beta", path, json=body)
+            assert r.status_code == 404, (method, path, r.text)
+            assert error_of(r)["code"] == "conversation_not_found", (method, path)
+        turn = create_generation(
+            keyed, "key-beta", conversation={"id": cid_tried, "expected_revision": 0}
+        )
+        assert turn.status_code == 404 and error_of(turn)["param"] == "conversation.id"
+    assert call("GET", "key-alpha", f"/{cid}").json() == created.json()
+    assert call("GET", "key-alpha", f"/{cid}/items").json()["data"] == [item]
+
+
 def test_responses_are_tenant_scoped_on_every_route(keyed: Keyed):
     """Another tenant's response id is 404 on retrieve, input_items, chain and delete, as an
     id that never existed; its owner still has it afterwards."""
