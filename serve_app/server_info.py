@@ -125,8 +125,11 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
                 "a stalled stream reader is detached; only POST /v1/generations/{id}/cancel "
                 "cancels"
             ),
-            "responses": "a response runs inside its request: a client that disconnects "
-            "cancels it and nothing is stored",
+            "responses": (
+                "a stored response (store: true, the default) runs outside its request: a "
+                "disconnect never cancels it, only POST /v1/responses/{id}/cancel does; a "
+                "store: false response is cancelled with its request and nothing is kept"
+            ),
         },
         "generations": generations_info(config.generations, config.store),
         "responses": responses_info(config.responses.retention_s),

@@ -120,6 +120,12 @@ class ResponseAdmission:
             )
             if previous is None:
                 raise response_not_found(req.previous_response_id, "previous_response_id")
+            if previous.status in ("queued", "in_progress", "cancelling"):
+                raise errors.conflict(
+                    "previous_response_in_progress",
+                    f"Response '{previous.id}' is still {previous.status}: wait for it to end "
+                    "(poll GET /v1/responses/{id}), then send this again.",
+                )
             history = previous.data["context"]
         context = history + chat_messages(items)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []

@@ -19,8 +19,6 @@ MAX_METADATA_KEYS = 16
 # Known OpenAI fields this server does not support: refused by name unless the value
 # changes nothing (null, false, empty).
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "background": "background responses are not supported yet (run the request in the "
-    "foreground, with or without stream)",
     "conversation": "the OpenAI Conversations API is not supported on /v1/responses",
     "include": "no additional output data (logprobs, encrypted reasoning) is available",
     "prompt": "prompt templates are not supported",
@@ -174,6 +172,7 @@ class ResponseCreate(Strict):
     store: bool = True
     previous_response_id: str | None = Field(None, min_length=1)
     stream: bool | None = None
+    background: bool | None = None
 
     def items(self) -> list[InputItem]:
         """The input as typed items (a string is one user message)."""
@@ -197,6 +196,12 @@ def parse_body(body: bytes) -> ResponseCreate:
     except ValidationError as exc:
         raise from_validation_error(exc, data) from None
     check_metadata(req.metadata)
+    if req.background and not req.store:
+        raise errors.invalid_request(
+            "A background response must be stored (store: true): it is polled, cancelled and "
+            "resumed by its id.",
+            "background",
+        )
     return req
 
 
@@ -401,7 +406,9 @@ def responses_info(retention_s: float) -> dict[str, Any]:
             "POST /v1/responses",
             "GET /v1/responses/{id}",
             "DELETE /v1/responses/{id}",
+            "POST /v1/responses/{id}/cancel",
             "GET /v1/responses/{id}/input_items",
+            "GET /v1/responses/{id}?stream=true&starting_after=N",
         ],
         "supported_fields": fields,
         "input_items": sorted(ITEM_MODELS),
@@ -419,4 +426,10 @@ def responses_info(retention_s: float) -> dict[str, Any]:
         "other_tenants_responses": "404 response_not_found, never revealed",
         "request_ids": "X-Request-Id is not a replay key here: a stored response is "
         "retrieved by its id",
+        "background": "background: true answers 'queued' at once; poll GET, cancel with "
+        "POST .../cancel (idempotent: a finished response stays as it ended); needs store",
+        "resume": "GET /v1/responses/{id}?stream=true&starting_after=N replays the stored "
+        "events after sequence number N, then follows the live ones, on any replica",
+        "disconnect": "a stored response runs outside its request: a client that disconnects "
+        "does not cancel it; store: false responses are cancelled with their request",
     }

@@ -6,8 +6,11 @@ go out as SSE (`stream: true`) or are folded into one JSON response. A stored re
 (`store`, the default) is written before its terminal event is sent and is kept for
 `responses.retention_s`; every read and delete is scoped to the caller's tenant.
 
-In this step a response runs inside its HTTP request, as a chat completion does: a client
-that disconnects cancels it, and nothing is stored.
+A stored response runs outside its request (`serve_app.responses.runner`): a client that
+disconnects stops reading, never the work; `background: true` answers `queued` at once; any
+replica polls, cancels, or resumes its event stream from the store (`?stream=true&
+starting_after=N`). A `store: false` response runs inside its request, as a chat completion
+does: a client that disconnects cancels it, and nothing is kept.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from serve_app.responses.admission import AdmittedResponse, ResponseAdmission, r
 from serve_app.responses.output import EventNumbers, context_messages
 from serve_app.responses.protocol import parse_body, renamed
 from serve_app.responses.run import ResponseRun
+from serve_app.responses.runner import ResponseRunner
 from serve_app.store import open_store
 from serve_app.store.base import ResponseRecord
 
@@ -67,6 +71,14 @@ class ResponsesAPI:
         # hid rows other processes committed from the first one's reads.
         self.store = store or open_store(config.store, config.generations.data_dir)
         self.admission = ResponseAdmission(config, identity, tokenizer, grammar, self.store)
+        self.runner = ResponseRunner(
+            self.store,
+            self.engine,
+            self._object_of,
+            self._first,
+            self.options.retention_s,
+            config.generations.orphan_after_s,
+        )
         self._upkeep: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # no loop yet: the first request starts it
             self.start_upkeep()
@@ -76,6 +88,7 @@ class ResponsesAPI:
             Route("/v1/responses", self.create, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.get, methods=["GET"]),
             Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"]),
             Route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"]),
         ]
 
@@ -106,6 +119,8 @@ class ResponsesAPI:
             raise errors.body_too_large(self.config.limits.max_body_bytes)
         req = parse_body(body)
         admitted = await self.admission.admit(request, req)
+        if req.store:
+            return await self._run_stored(admitted)
         gen = self.engine.generate.remote(admitted.engine_request)
         try:
             first = await self._first(gen)
@@ -128,12 +143,27 @@ class ResponsesAPI:
         return JSONResponse(run.final)
 
     async def get(self, request: Request) -> Response:
+        """The stored response; with `stream=true` its events after `starting_after` (all
+        of them without), then the live ones until its terminal event."""
         record = await self._record(request)
-        if request.query_params.get("stream") in ("true", "1"):
-            raise errors.unsupported_parameter(
-                "stream", "streaming a stored response again is not supported yet"
-            )
-        return JSONResponse(record.data["response"])
+        if request.query_params.get("stream") not in ("true", "1"):
+            return JSONResponse(record.data["response"])
+        after = _starting_after(request.query_params.get("starting_after"))
+        events = self.runner.follow(record.tenant, record.id, after)
+        return StreamingResponse(
+            (sse(event) async for event in events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def cancel(self, request: Request) -> Response:
+        """Idempotent: the response after the cancel; one that had ended stays as it ended."""
+        tenant = principal_of(request).tenant
+        rid = request.path_params["response_id"]
+        final = await self.runner.cancel(tenant, rid)
+        if final is None:
+            raise response_not_found(rid, "response_id")
+        return JSONResponse(final)
 
     async def delete(self, request: Request) -> Response:
         tenant = principal_of(request).tenant
@@ -172,10 +202,25 @@ class ResponsesAPI:
 
     # -------------------------------------------------------------------- helpers
 
+    async def _run_stored(self, admitted: AdmittedResponse) -> Response:
+        """A stored response: the runner owns it; this request only reads it."""
+        live = await self.runner.start(admitted)
+        if admitted.req.stream:
+            events = self.runner.follow(admitted.tenant, live.id, -1)
+            return StreamingResponse(
+                (sse(event) async for event in events),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        if admitted.req.background:
+            return JSONResponse(live.events[-1]["response"])
+        await asyncio.wait([live.done])  # a disconnect stops this wait, never the run
+        return JSONResponse(live.done.result())
+
     async def _record(self, request: Request) -> ResponseRecord:
         tenant = principal_of(request).tenant
         rid = request.path_params["response_id"]
-        record = await asyncio.to_thread(self.store.get_response, tenant, rid)
+        record = await self.runner.record(tenant, rid)
         if record is None:
             raise response_not_found(rid, "response_id")
         return record
@@ -262,7 +307,7 @@ class ResponsesAPI:
             "object": "response",
             "created_at": int(admitted.created_at),
             "status": status,
-            "background": False,
+            "background": bool(req.background),
             "error": error,
             "incomplete_details": (
                 {"reason": incomplete_reason} if incomplete_reason is not None else None
@@ -311,6 +356,20 @@ def first_error(out: RequestOutput) -> errors.APIError:
 async def aiter_of(gen: Any) -> AsyncIterator[Any]:
     async for out in gen:
         yield out
+
+
+def _starting_after(value: str | None) -> int:
+    if value is None:
+        return -1
+    try:
+        after = int(value)
+    except ValueError:
+        raise errors.invalid_request(
+            "'starting_after' is an event's sequence_number.", "starting_after"
+        ) from None
+    if after < -1:
+        raise errors.invalid_request("'starting_after' is -1 or more.", "starting_after")
+    return after
 
 
 def _limit(value: str | None) -> int:

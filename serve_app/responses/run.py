@@ -34,7 +34,7 @@ ENDPOINT = "responses"
 class Ending:
     """How the response ended, in the Responses API's words (the outcome table's column)."""
 
-    status: str  # completed | incomplete | failed
+    status: str  # completed | incomplete | failed | cancelled
     incomplete_reason: str | None = None
     error: dict[str, str] | None = None
 
@@ -47,6 +47,8 @@ def ending_of(finish_reason: str, stop_reason: Any) -> Ending:
     """The outcome table's responses column (`serve_app.outcomes`): an abort the reader did
     not cause, or any ending it does not name, is the engine's failure."""
     status, detail = outcomes.response_end(finish_reason, stop_reason)
+    if status == "cancelled":  # an abort nobody asked for (a cancel is the run's to say)
+        status, detail = outcomes.response_end("error")
     if status == "incomplete":
         return Ending("incomplete", detail)
     if status == "failed":
@@ -60,11 +62,15 @@ class ResponseRun:
         self,
         admitted: AdmittedResponse,
         base: Callable[..., dict[str, Any]],
-        save: Callable[[AdmittedResponse, dict[str, Any]], Awaitable[None]],
+        save: Callable[[AdmittedResponse, dict[str, Any]], Awaitable[dict[str, Any] | None]],
+        is_cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         self.admitted = admitted
         self.base = base  # (status, output, usage, ...) -> the response object
+        # Returns the stored object when the store already holds another ending (a cancel
+        # another replica wrote first), None to keep this run's.
         self.save = save
+        self.is_cancelled = is_cancelled  # a cancel was asked for (POST .../cancel)
         self.items = OutputItems()
         self.parser = ChoiceParser(admitted.parse)
         self.num_output_tokens = 0
@@ -81,10 +87,12 @@ class ResponseRun:
         )
 
     async def events(
-        self, first: RequestOutput, outputs: AsyncIterator[Any]
+        self, first: RequestOutput, outputs: AsyncIterator[Any], *, created: bool = True
     ) -> AsyncIterator[Event]:
-        """Every stream event of the response, the terminal one last."""
-        yield {"type": "response.created", "response": self.base("in_progress", [], None)}
+        """Every stream event of the response, the terminal one last (without
+        `response.created` when `created` is False: a background response announced it)."""
+        if created:
+            yield {"type": "response.created", "response": self.base("in_progress", [], None)}
         yield {"type": "response.in_progress", "response": self.base("in_progress", [], None)}
         ending: Ending | None = None
         out: RequestOutput | None = first
@@ -105,6 +113,9 @@ class ResponseRun:
                 except _Lost as exc:
                     ending = Ending("failed", error={"code": "engine_lost", "message": str(exc)})
                     break
+            if self.is_cancelled() and (ending is None or ending.status == "failed"):
+                # The engine stream ended because it was cancelled; a finished one stays.
+                ending = Ending("cancelled")
         except asyncio.CancelledError:
             # The client left: nothing is stored (the stream is closed), usage is settled.
             record_usage(self.admitted.num_prompt_tokens + self.num_output_tokens)
@@ -124,10 +135,10 @@ class ResponseRun:
             error=ending.error,
             incomplete_reason=ending.incomplete_reason,
         )
+        final = await self.save(self.admitted, final) or final
         self.final = final
-        await self.save(self.admitted, final)
         self._observe(ending)
-        yield {"type": ending.terminal_event, "response": final}
+        yield {"type": f"response.{final['status']}", "response": final}
 
     async def _next(self, outputs: AsyncIterator[Any]) -> RequestOutput | None:
         deadline = self.admitted.deadline
@@ -136,6 +147,11 @@ class ResponseRun:
             return await asyncio.wait_for(outputs.__anext__(), timeout)
         except StopAsyncIteration:
             raise _Lost("the engine stream ended before the response finished") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.is_cancelled() and (task is None or task.cancelling() == 0):
+                raise _Lost("cancelled") from None  # the engine stream a cancel stopped
+            raise
         except TimeoutError:
             raise _Lost("the engine went silent past the deadline") from None
         except Exception as exc:  # the replica or a worker of it died under the call

@@ -289,7 +289,7 @@ def test_tool_choice_none_never_calls(client: openai.OpenAI, model_id: str):
         ({"tools": [{"type": "web_search"}]}, 400, "unsupported_parameter", "tools.0.type"),
         ({"tools": [{"type": "file_search", "vector_store_ids": ["vs"]}]}, 400,
          "unsupported_parameter", "tools.0.type"),
-        ({"background": True}, 400, "unsupported_parameter", "background"),
+        ({"background": True, "store": False}, 400, "invalid_request", "background"),
         ({"truncation": "auto"}, 400, "unsupported_parameter", "truncation"),
         ({"reasoning": {"effort": "high"}}, 400, "unsupported_parameter", "reasoning.effort"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -346,17 +346,8 @@ def test_server_info_lists_the_family(serve_url: str, model_id: str):
     info = httpx.get(f"{serve_url}/v1/server_info", timeout=30).json()
     family = info["responses"]
     assert {"previous_response_id", "tools", "text", "store"} <= set(family["supported_fields"])
-    assert family["retention_s"] > 0 and "background" in family["unsupported_fields"]
-    assert "POST /v1/responses" in family["routes"]
+    assert family["retention_s"] > 0 and "background" in family["supported_fields"]
+    assert "background" not in family["unsupported_fields"]
+    assert {"POST /v1/responses", "POST /v1/responses/{id}/cancel"} <= set(family["routes"])
     rows = {row["cause"]: row["responses"] for row in info["outcomes"]}
     assert rows["max tokens"] == {"status": "incomplete", "reason": "max_output_tokens"}
-
-
-def test_streaming_a_stored_response_again_is_not_supported_yet(
-    client: openai.OpenAI, model_id: str, serve_url: str
-):
-    r = create(client, model_id, max_output_tokens=2)
-    again = httpx.get(f"{serve_url}/v1/responses/{r.id}", params={"stream": "true"}, timeout=30)
-    assert again.status_code == 400
-    error = error_of(again)
-    assert (error["code"], error["param"]) == ("unsupported_parameter", "stream")
