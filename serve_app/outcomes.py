@@ -73,7 +73,11 @@ OUTCOMES: tuple[OutcomeRow, ...] = (
         {"finish_reason": "abort", "note": "stream already closed"},
         {"status": "cancelled", "finish_reason": "cancelled"},
         None,
-        responses="— (cancelled with its request; nothing stored)",
+        responses={
+            "status": "cancelled",
+            "note": "POST /v1/responses/{id}/cancel; a disconnect cancels only a store: false "
+            "response, which keeps nothing",
+        },
     ),
     OutcomeRow(
         "slow consumer past its hold deadline",
@@ -82,7 +86,11 @@ OUTCOMES: tuple[OutcomeRow, ...] = (
         None,
         None,
         note="generations detach from slow readers instead",
-        responses={"status": "failed", "error_code": "slow_consumer"},
+        responses={
+            "status": "failed",
+            "error_code": "slow_consumer",
+            "note": "store: false only; a stored response keeps its events for slow readers",
+        },
     ),
     OutcomeRow(
         "engine or worker lost, internal error",

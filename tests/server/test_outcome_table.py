@@ -3,6 +3,8 @@ and where every family's mapping of an engine ending comes from."""
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from actors.request import FinishReason
 from serve_app import outcomes
 from serve_app.protocol import openai_finish_reason
 from serve_app.resources.resource import settle
+from serve_app.responses.run import ResponseRun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,3 +59,47 @@ def test_server_info_publishes_the_table():
     published = outcomes.published()
     assert [row["cause"] for row in published] == [row.cause for row in outcomes.OUTCOMES]
     assert published[6]["note"] == "generations detach from slow readers instead"
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop_reason", "asked_to_cancel", "ending"),
+    [
+        ("stop", None, False, ("completed", None, None)),
+        ("stop", "grammar_end", False, ("completed", None, None)),
+        ("length", None, False, ("incomplete", "max_output_tokens", None)),
+        ("timeout", None, False, ("incomplete", "timeout", None)),
+        ("abort", None, True, ("cancelled", None, None)),
+        ("abort", None, False, ("failed", None, "engine_lost")),  # nobody asked
+        ("abort", "slow_consumer", False, ("failed", None, "slow_consumer")),
+        ("error", None, False, ("failed", None, "engine_lost")),
+        ("stop", None, True, ("completed", None, None)),  # completion wins a late cancel
+    ],
+)
+def test_the_responses_column_through_a_response_run(finish, stop_reason, asked_to_cancel, ending):
+    """Each row as `/v1/responses` ends: the run's terminal event and its response."""
+    from tests.responses.test_run import admitted, output
+
+    out = output("Hi", finish=FinishReason(finish))
+    out.deltas[-1] = replace(out.deltas[-1], stop_reason=stop_reason)
+
+    async def save(adm, final):
+        return None
+
+    def base(status, items, usage, error=None, incomplete_reason=None):
+        return {"status": status, "error": error, "reason": incomplete_reason, "usage": usage}
+
+    async def main():
+        run = ResponseRun(admitted(), base, save, lambda: asked_to_cancel)
+        return [e async for e in run.events(out, _nothing())]
+
+    events = asyncio.run(main())
+    final = events[-1]["response"]
+    code = (final["error"] or {}).get("code")
+    assert (final["status"], final["reason"], code) == ending
+    assert events[-1]["type"] == f"response.{ending[0]}"
+    assert final["usage"]["output_tokens"] == 1  # what it used, however it ended
+
+
+async def _nothing():
+    return
+    yield
