@@ -79,6 +79,8 @@ class AdmittedResponse:
     input_items: list[dict[str, Any]] = field(default_factory=list)
     context: list[dict[str, Any]] = field(default_factory=list)
     deadline: float | None = None  # time.monotonic() past which the engine is given up
+    # The request body's hash when an Idempotency-Key named the response (its replay check).
+    idempotency: str | None = None
     started: float = 0.0
 
     @property

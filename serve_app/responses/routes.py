@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -32,6 +34,8 @@ from actors.outputs import RequestOutput
 from serve_app import errors
 from serve_app.access.keys import principal_of
 from serve_app.config.options import ServeConfig
+from serve_app.resources.idempotency import HEADER as IDEMPOTENCY_HEADER
+from serve_app.resources.idempotency import REPLAYED_HEADER, idempotency_key, key_reused
 from serve_app.responses.admission import AdmittedResponse, ResponseAdmission, response_not_found
 from serve_app.responses.output import EventNumbers, context_messages
 from serve_app.responses.protocol import parse_body, renamed
@@ -118,6 +122,9 @@ class ResponsesAPI:
         if len(body) > self.config.limits.max_body_bytes:
             raise errors.body_too_large(self.config.limits.max_body_bytes)
         req = parse_body(body)
+        key = idempotency_key(request.headers.get(IDEMPOTENCY_HEADER))
+        if key is not None:
+            return await self._create_once(request, body, key)
         admitted = await self.admission.admit(request, req)
         if req.store:
             return await self._run_stored(admitted)
@@ -201,6 +208,37 @@ class ResponsesAPI:
         )
 
     # -------------------------------------------------------------------- helpers
+
+    async def _create_once(self, request: Request, body: bytes, key: str) -> Response:
+        """With an Idempotency-Key: the response's id is the tenant's key's, so a repeat
+        finds the first one (while it is kept) and gets its JSON, never a new run or stream;
+        the same key with another body is 409."""
+        req = parse_body(body)
+        if not req.store:
+            raise errors.invalid_request(
+                f"{IDEMPOTENCY_HEADER} needs a stored response (store: true): a repeat replays "
+                "it by its id.",
+                IDEMPOTENCY_HEADER,
+            )
+        tenant = principal_of(request).tenant
+        body_hash = hashlib.sha256(json.dumps(json.loads(body), sort_keys=True).encode()).digest()
+        rid = keyed_response_id(tenant, key)
+        found = await self.runner.record(tenant, rid)
+        if found is not None:
+            return _replayed(found, body_hash.hex())
+        admitted = await self.admission.admit(request, req)
+        admitted.response_id = rid
+        admitted.engine_request = dataclasses.replace(admitted.engine_request, request_id=rid)
+        admitted.idempotency = body_hash.hex()
+        try:
+            return await self._run_stored(admitted)
+        except errors.APIError:
+            raise
+        except Exception:
+            found = await self.runner.record(tenant, rid)  # a concurrent repeat inserted first
+            if found is None:
+                raise
+            return _replayed(found, body_hash.hex())
 
     async def _run_stored(self, admitted: AdmittedResponse) -> Response:
         """A stored response: the runner owns it; this request only reads it."""
@@ -356,6 +394,17 @@ def first_error(out: RequestOutput) -> errors.APIError:
 async def aiter_of(gen: Any) -> AsyncIterator[Any]:
     async for out in gen:
         yield out
+
+
+def keyed_response_id(tenant: str, key: str) -> str:
+    """The id a tenant's Idempotency-Key names (another tenant's same key: another id)."""
+    return "resp_" + hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest()[:32]
+
+
+def _replayed(record: ResponseRecord, body_hash: str) -> Response:
+    if record.data.get("idempotency") != body_hash:
+        raise key_reused()
+    return JSONResponse(record.data["response"], headers={REPLAYED_HEADER: "true"})
 
 
 def _starting_after(value: str | None) -> int:

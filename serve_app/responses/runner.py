@@ -207,7 +207,7 @@ class ResponseRunner:
         except Exception as exc:
             logger.exception("response %s failed in the runner", adm.response_id)
             live.accept(exc)
-            if not live.done.done():
+            if live.num_writes and not live.done.done():  # recorded: end its record
                 error = {"code": "internal_error", "message": "internal error"}
                 await self._finish(live, live.base("failed", [], self._usage(live), error=error))
         finally:
@@ -352,6 +352,7 @@ class ResponseRunner:
             "context": context,
             "events": events,
             "written_at": time.time(),
+            "idempotency": adm.idempotency,
             "store_writes": live.num_writes + 1,
         }
 

@@ -8,13 +8,17 @@ from __future__ import annotations
 import json
 import random
 import time
+import uuid
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from serve_app.store.base import ResponseRecord
+from serve_app.store.sqlite import SQLiteStore
 from tests.responses.test_responses_api import TERMINAL, create, error_of
+from tests.support.generations import ORPHAN_AFTER_S, SESSION
 
 pytestmark = pytest.mark.serve
 
@@ -153,3 +157,68 @@ def test_resume_names_its_position(serve_url: str, client: openai.OpenAI, model_
     assert bad.status_code == 400 and error_of(bad)["param"] == "starting_after"
     # Past the end: nothing more to send.
     assert replay(serve_url, r.id, 10_000) == []
+
+
+def session_store() -> SQLiteStore:
+    """A second store on the session server's SQLite file: what a restarted server opens."""
+    return SQLiteStore(SESSION["data_dir"] / "serve-app.sqlite3")
+
+
+def test_the_record_holds_the_events_written_in_batches(client: openai.OpenAI, model_id: str):
+    events = list(create(client, model_id, stream=True, max_output_tokens=48, temperature=0.0))
+    store = session_store()
+    try:
+        record = store.get_response("default", events[0].response.id)
+    finally:
+        store.close()
+    assert [e["sequence_number"] for e in record.data["events"]] == list(range(len(events)))
+    assert record.data["events"][-1]["response"] == record.data["response"]
+    # Fewer writes than events: one insert, a batch per 64 events or half second, the end.
+    assert record.data["store_writes"] < len(events)
+
+
+def test_a_response_whose_process_is_gone_resumes_to_failed_engine_lost(
+    client: openai.OpenAI, model_id: str, serve_url: str
+):
+    rid = f"resp_{uuid.uuid4().hex}"
+    now = time.time()
+    made = create(client, model_id, max_output_tokens=2).to_dict()
+    running = {**made, "id": rid, "status": "in_progress", "output": [], "usage": None}
+    created = {"type": "response.created", "response": running, "sequence_number": 0}
+    data = {"response": running, "input_items": [], "context": [], "events": [created],
+            "written_at": now - ORPHAN_AFTER_S * 10}  # fmt: skip
+    store = session_store()
+    try:
+        store.insert_response(ResponseRecord(rid, "default", "in_progress", data, now, now + 600))
+    finally:
+        store.close()
+    events = replay(serve_url, rid, 0)
+    assert [e["type"] for e in events] == ["response.failed"]
+    assert events[0]["sequence_number"] == 1
+    assert events[0]["response"]["error"]["code"] == "engine_lost"
+    final = client.responses.retrieve(rid)
+    assert final.status == "failed" and final.error.code == "engine_lost"
+    # Ended for good: a cancel leaves it as it ended.
+    assert client.responses.cancel(rid).status == "failed"
+
+
+def test_an_idempotency_key_replays_the_json_response(serve_url: str, model_id: str):
+    key = f"k-{uuid.uuid4().hex}"
+    body = {"model": model_id, "input": "hi", "max_output_tokens": 4, "temperature": 0.0}
+
+    def post(**extra: Any) -> httpx.Response:
+        return httpx.post(f"{serve_url}/v1/responses", json={**body, **extra}, timeout=60,
+                          headers={"Idempotency-Key": key})  # fmt: skip
+
+    first = post(stream=True)
+    assert first.headers["content-type"].startswith("text/event-stream")
+    created = json.loads(first.text.split("data: ", 2)[1].split("\n", 1)[0])
+    # A repeat of a streamed request gets the JSON resource, never a new run nor a stream.
+    again = post(stream=True)
+    assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+    assert again.headers["content-type"].startswith("application/json")
+    assert again.json()["id"] == created["response"]["id"]
+    assert again.json()["status"] in ("completed", "incomplete")
+    other = post(max_output_tokens=5)
+    assert other.status_code == 409 and error_of(other)["code"] == "idempotency_key_reused"
+    assert other.headers["x-should-retry"] == "false"
