@@ -113,14 +113,33 @@ EXPECTED_REVISION = Param(
     {"type": "integer", "minimum": 0},
 )  # fmt: skip
 RESPONSE_ID = Param("response_id", "path", "A stored response's id (`resp_...`).")
+RESPONSE_IDEMPOTENCY_KEY = Param(
+    "Idempotency-Key",
+    "header",
+    "Same key, same body: the recorded response as JSON (never a new run or stream); a "
+    f"different body: 409. Needs store: true. 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable "
+    "characters.",
+)
 # Every typed event of a streamed response; the last is its terminal one.
 RESPONSE_EVENTS = (
-    "response.created", "response.in_progress", "response.output_item.added",
+    "response.created", "response.queued", "response.in_progress", "response.output_item.added",
     "response.content_part.added", "response.output_text.delta", "response.output_text.done",
     "response.reasoning_text.delta", "response.reasoning_text.done",
     "response.content_part.done", "response.function_call_arguments.delta",
     "response.function_call_arguments.done", "response.output_item.done",
-    "response.completed", "response.incomplete", "response.failed",
+    "response.completed", "response.incomplete", "response.failed", "response.cancelled",
+)  # fmt: skip
+RESUME_PARAMS = (
+    Param(
+        "stream", "query",
+        "`true`: the response's typed events (stored, then live) as server-sent events.",
+        {"type": "string", "enum": ["true", "false"]},
+    ),
+    Param(
+        "starting_after", "query",
+        "With `stream=true`: the events after this `sequence_number` (all without it).",
+        {"type": "integer", "minimum": -1},
+    ),
 )  # fmt: skip
 
 OPERATIONS: list[Operation] = [
@@ -164,12 +183,25 @@ OPERATIONS: list[Operation] = [
             ResponseObject,
             stream=Stream({name: (ResponseEvent,) for name in RESPONSE_EVENTS}),
         )},
-        errors=ADMITTED, body=ResponseCreate,
+        errors=ADMITTED, body=ResponseCreate, params=(RESPONSE_IDEMPOTENCY_KEY,),
     ),
     Operation(
-        "get", "/v1/responses/{response_id}", "get_response", "A stored response.",
-        "responses", {200: Reply("The response.", ResponseObject)}, errors=(400, 404, 500),
-        params=(RESPONSE_ID,),
+        "get", "/v1/responses/{response_id}", "get_response",
+        "A stored response; with `stream=true`, its events resumed after `starting_after`.",
+        "responses",
+        {200: Reply(
+            "The response; with `stream=true`, its typed events after `starting_after`, "
+            "then the live ones, the terminal one last.",
+            ResponseObject,
+            stream=Stream({name: (ResponseEvent,) for name in RESPONSE_EVENTS}),
+        )},
+        errors=(400, 404, 500), params=(RESPONSE_ID, *RESUME_PARAMS),
+    ),
+    Operation(
+        "post", "/v1/responses/{response_id}/cancel", "cancel_response",
+        "Cancel a stored response.", "responses",
+        {200: Reply("The response (cancelled unless it had ended).", ResponseObject)},
+        errors=(404, 500), params=(RESPONSE_ID,),
     ),
     Operation(
         "delete", "/v1/responses/{response_id}", "delete_response", "Delete a response.",

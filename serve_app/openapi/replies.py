@@ -154,7 +154,7 @@ class ResponseObject(Open):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
     output: list[dict[str, Any]]
     usage: ResponseUsage | None
@@ -162,6 +162,7 @@ class ResponseObject(Open):
     incomplete_details: dict[str, Any] | None
     previous_response_id: str | None
     store: bool
+    background: bool
 
 
 class ResponseEvent(Open):

@@ -76,7 +76,9 @@ def _public_app(config) -> Any:
         create=handler, get=handler, cancel=handler, conversations=conversations
     )
     generations.routes = lambda: GenerationsAPI.routes(generations)
-    responses = SimpleNamespace(create=handler, get=handler, delete=handler, input_items=handler)
+    responses = SimpleNamespace(
+        create=handler, get=handler, delete=handler, input_items=handler, cancel=handler
+    )
     responses.routes = lambda: ResponsesAPI.routes(responses)
     ingress = SimpleNamespace(
         config=config,

@@ -41,6 +41,7 @@ class Fuzz:
         self.failures: list[str] = []
         self.generation_ids: set[str] = set()
         self.conversation_ids: set[str] = set()
+        self.response_ids: set[str] = set()
 
     def run(self, case: Any, mode: str) -> None:
         from schemathesis.core.failures import FailureGroup
@@ -75,12 +76,16 @@ class Fuzz:
                 self.generation_ids.add(body["id"])
             elif body.get("object") == "conversation":
                 self.conversation_ids.add(body["id"])
+            elif body.get("object") == "response":
+                self.response_ids.add(body["id"])
 
     def clean_up(self, url: str) -> None:
         for gid in self.generation_ids:
             httpx.post(f"{url}/v1/generations/{gid}/cancel", timeout=30)
         for cid in self.conversation_ids:
             httpx.delete(f"{url}/v1/conversations/{cid}", timeout=30)
+        for rid in self.response_ids:  # background ones may still run
+            httpx.post(f"{url}/v1/responses/{rid}/cancel", timeout=30)
 
 
 def _curl(case: Any) -> str:
