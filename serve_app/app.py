@@ -170,6 +170,7 @@ def build_app(config: ServeConfig, identity: dict[str, Any] | None = None) -> Ap
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name="ingress",
+        num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=ENGINE_MAX_ONGOING,
         ray_actor_options=cpu_actor_options(config),
     ).bind(config, tokenizer, grammar, engine, identity, admin_deployment(config))

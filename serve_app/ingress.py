@@ -27,6 +27,7 @@ from serve_app.metrics import record_outcome
 from serve_app.openai.routes import OpenAIHandlers
 from serve_app.openapi.public import openapi_route
 from serve_app.responses.routes import ResponsesAPI
+from serve_app.served_by import ServedByMiddleware
 from serve_app.server_info import server_info
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class Ingress:
             # Authentication and the body cap come before any route runs (and before an
             # injected fault, in a test build).
             middleware=[
+                Middleware(ServedByMiddleware),
                 access_middleware(self.config),
                 *([Middleware(FaultInjectionMiddleware)] if self.config.fault_injection else []),
             ],

@@ -111,6 +111,17 @@ class LimitOptions(BaseModel):
     max_tool_bytes: int = Field(256 * 1024, ge=1)
 
 
+class IngressOptions(BaseModel):
+    """The HTTP ingress deployment (every family's routes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Ingress replicas behind Serve's proxy. They share nothing but the store: any replica
+    # reads, chains, cancels and resumes what another accepted (each answer names its
+    # replica in `x-served-by`).
+    num_replicas: int = Field(1, ge=1)
+
+
 class ResponseOptions(BaseModel):
     """Settings of `/v1/responses` (its responses live in the same store as generations)."""
 
@@ -160,6 +171,7 @@ class ServeConfig(BaseModel):
     limits: LimitOptions = LimitOptions()
     generations: GenerationOptions = GenerationOptions()
     responses: ResponseOptions = ResponseOptions()
+    ingress: IngressOptions = IngressOptions()
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
