@@ -399,8 +399,8 @@ def test_conversations_are_tenant_scoped_on_every_route(keyed: Keyed):
 
 
 def test_responses_are_tenant_scoped_on_every_route(keyed: Keyed):
-    """Another tenant's response id is 404 on retrieve, input_items, chain and delete, as an
-    id that never existed; its owner still has it afterwards."""
+    """Another tenant's response id is 404 on retrieve, input_items, resume, cancel, chain
+    and delete, as an id that never existed; its owner still has it afterwards."""
 
     def call(method: str, key: str, path: str = "", **kwargs) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"}
@@ -413,6 +413,8 @@ def test_responses_are_tenant_scoped_on_every_route(keyed: Keyed):
     rid = created.json()["id"]
     for rid_tried in (rid, "resp_never_existed"):
         for method, path in (("GET", f"/{rid_tried}"), ("GET", f"/{rid_tried}/input_items"),
+                             ("GET", f"/{rid_tried}?stream=true&starting_after=0"),
+                             ("POST", f"/{rid_tried}/cancel"),
                              ("DELETE", f"/{rid_tried}")):  # fmt: skip
             r = call(method, "key-beta", path)
             assert r.status_code == 404 and error_of(r)["code"] == "response_not_found", path
@@ -592,16 +594,35 @@ def test_one_tenants_schema_attack_does_not_starve_another_tenants_schema(keyed:
     assert time.monotonic() - started < 2.0
 
 
-def test_completed_generations_survive_a_restart_on_postgresql(keyed: Keyed):
+def test_completed_generations_and_responses_survive_a_restart_on_postgresql(keyed: Keyed):
     from ray import serve
+
+    def responses(method: str, key: str, path: str = "", **kwargs) -> httpx.Response:
+        url = f"{keyed.url}/v1/responses{path}"
+        headers = {"Authorization": f"Bearer {key}"}
+        return httpx.request(method, url, headers=headers, timeout=60, **kwargs)
 
     r = create_generation(keyed, "key-alpha", max_output_tokens=4)
     assert r.status_code == 200, r.text
     before = r.json()
     assert before["status"] in ("completed", "incomplete")
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
+    first = responses("POST", "key-alpha", json=body).json()
+    second = responses("POST", "key-alpha", json={**body, "previous_response_id": first["id"]})
+    assert second.status_code == 200, second.text
+    events = responses("GET", "key-alpha", f"/{second.json()['id']}?stream=true").text
     serve.delete(APP)
     assert httpx.get(f"{keyed.url}/health", timeout=10).status_code == 404
     deploy(keyed.config, keyed.url)
     after = get_generation(keyed, "key-alpha", before["id"])
     assert after.status_code == 200 and after.json() == before
     assert get_generation(keyed, "key-beta", before["id"]).status_code == 404
+    # The chain, its records and its events are in the store, not in the process.
+    assert responses("GET", "key-alpha", f"/{second.json()['id']}").json() == second.json()
+    assert responses("GET", "key-alpha", f"/{second.json()['id']}?stream=true").text == events
+    third = responses(
+        "POST", "key-alpha", json={**body, "previous_response_id": second.json()["id"]}
+    )
+    assert third.status_code == 200
+    assert third.json()["usage"]["input_tokens"] > second.json()["usage"]["input_tokens"]
+    assert responses("GET", "key-beta", f"/{first['id']}").status_code == 404
