@@ -1,0 +1,121 @@
+"""What keeping a stored response's events costs the store: writes and bytes per response.
+
+Runs the stored-response runner (serve_app/responses/runner.py) on a scripted engine that
+emits one token per output, at a few lengths and token rates, against a real SQLite store,
+and prints JSON: events, record writes (insert + batched updates + the terminal one), the
+final record's size and the bytes written over the response's life.
+
+    .venv/bin/python benchmarks/response_store_writes.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from actors.messages import EngineRequest
+from actors.outputs import CompletionDelta, RequestOutput
+from actors.request import FinishReason
+from actors.sampling_params import SamplingParams
+from serve_app.parsers.chat_output import ParseOptions
+from serve_app.responses.admission import AdmittedResponse
+from serve_app.responses.protocol import parse_body
+from serve_app.responses.runner import ResponseRunner
+from serve_app.store.sqlite import SQLiteStore
+
+CASES = ((100, 0.0), (1000, 0.0), (1000, 0.01), (4000, 0.0))  # (tokens, seconds per token)
+
+
+class CountingStore(SQLiteStore):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.num_bytes = 0
+
+    def insert_response(self, record: Any) -> None:
+        self.num_bytes += len(json.dumps(record.data))
+        super().insert_response(record)
+
+    def update_response(self, record: Any, expected: Any) -> bool:
+        self.num_bytes += len(json.dumps(record.data))
+        return super().update_response(record, expected)
+
+
+class Engine:
+    def __init__(self, num_tokens: int, per_token_s: float) -> None:
+        self.num_tokens, self.per_token_s = num_tokens, per_token_s
+        self.generate = self
+
+    def remote(self, request: Any) -> Any:
+        return Stream(self.num_tokens, self.per_token_s)
+
+
+class Stream:
+    """Serve's streaming handle in small: async outputs and `cancel()`."""
+
+    def __init__(self, num_tokens: int, per_token_s: float) -> None:
+        self.num_left, self.per_token_s = num_tokens, per_token_s
+
+    def cancel(self) -> None:
+        self.num_left = 0
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        await asyncio.sleep(self.per_token_s)
+        if self.num_left == 0:
+            raise StopAsyncIteration
+        self.num_left -= 1
+        finish = FinishReason.LENGTH if self.num_left == 0 else None
+        delta = CompletionDelta(0, [7], "tok ", None, finish)
+        return RequestOutput("r", [1], [delta], 0, finish is not None)
+
+
+async def first_output(gen: Any) -> Any:
+    return await gen.__anext__()
+
+
+def base_of(adm: AdmittedResponse) -> Any:
+    def base(status: str, output: list, usage: Any, **kwargs: Any) -> dict:
+        return {"id": adm.response_id, "status": status, "output": list(output), "usage": usage}
+
+    return base
+
+
+def measure(num_tokens: int, per_token_s: float) -> dict[str, Any]:
+    store = CountingStore(Path(tempfile.mkdtemp()) / "store.sqlite3")
+    req = parse_body(b'{"model": "m", "input": "hi", "background": true}')
+    adm = AdmittedResponse(
+        req=req, chat=None,  # type: ignore[arg-type]
+        tenant="t", response_id="resp_1", created_at=time.time(),
+        engine_request=EngineRequest("resp_1", [1], SamplingParams(max_tokens=num_tokens)),
+        parse=ParseOptions(),
+    )  # fmt: skip
+
+    async def run() -> Any:
+        runner = ResponseRunner(store, Engine(num_tokens, per_token_s), base_of, first_output,
+                                3600.0, 60.0)  # fmt: skip
+        live = await runner.start(adm)
+        await asyncio.wait([live.done])
+        return live
+
+    live = asyncio.run(run())
+    record = store.get_response("t", "resp_1")
+    assert record is not None
+    store.close()
+    return {
+        "output_tokens": num_tokens,
+        "seconds_per_token": per_token_s,
+        "events": len(live.events),
+        "store_writes": live.num_writes,
+        "record_bytes": len(json.dumps(record.data)),
+        "bytes_written": store.num_bytes,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps([measure(n, s) for n, s in CASES], indent=2))
