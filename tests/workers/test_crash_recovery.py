@@ -1,8 +1,8 @@
 """An engine replica dies mid-request: open streams end with an error frame and [DONE],
-a waiting non-streamed request gets a 500 that tells clients not to repeat it, nothing is
-re-run elsewhere, and Serve's replacement replica serves again; completed generations
-survive a restart on the SQLite store. A second Serve app in the session's Ray, so the
-shared server is never disturbed."""
+a waiting non-streamed request gets a 500 that tells clients not to repeat it, background
+generations and responses end failed/engine_lost, nothing is re-run elsewhere, and Serve's
+replacement replica serves again; completed generations survive a restart on the SQLite
+store. A second Serve app in the session's Ray, so the shared server is never disturbed."""
 
 from __future__ import annotations
 
@@ -161,7 +161,13 @@ def test_a_background_generation_whose_engine_dies_is_failed_not_left_running(
     r = httpx.post(f"{crash_url}/v1/generations", json=body, timeout=60)
     assert r.status_code == 202, r.text
     location = r.headers["location"]
-    kill_engine_when_running(ray_session, 1)
+    # A background response on the same engine replica (greedy: it runs its whole budget).
+    response = {"model": MODEL, "input": "Tell a long story.", "max_output_tokens": 900,
+                "temperature": 0.0, "background": True}  # fmt: skip
+    queued = httpx.post(f"{crash_url}/v1/responses", json=response, timeout=60)
+    assert queued.status_code == 200, queued.text
+    rid = queued.json()["id"]
+    kill_engine_when_running(ray_session, 2)
     killed = time.monotonic()
     while True:
         # Location is an absolute path (it carries the app's route prefix).
@@ -174,6 +180,16 @@ def test_a_background_generation_whose_engine_dies_is_failed_not_left_running(
         time.sleep(0.1)
     assert resource["status"] == "failed"
     assert resource["error"]["code"] == "engine_lost"
+    # The response too: failed, engine_lost, with the usage it consumed; its stored events,
+    # resumed, end with response.failed (nothing is re-run).
+    got = httpx.get(f"{crash_url}/v1/responses/{rid}", timeout=30).json()
+    assert (got["status"], got["error"]["code"]) == ("failed", "engine_lost"), got
+    assert got["usage"]["output_tokens"] > 0
+    resume = {"stream": "true", "starting_after": 1}
+    resumed = httpx.get(f"{crash_url}/v1/responses/{rid}", params=resume, timeout=30)
+    events = [json.loads(line[6:]) for line in resumed.text.splitlines() if line[:6] == "data: "]
+    assert events[-1]["type"] == "response.failed" and events[0]["sequence_number"] == 2
+    assert events[-1]["response"] == got
     serves_again(crash_url)
 
 
