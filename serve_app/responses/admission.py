@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ from starlette.requests import Request
 
 from actors.messages import EngineRequest
 from serve_app import errors
-from serve_app.access.budgets import reserve_budget
+from serve_app.access.budgets import LIMITER_STATE_KEY, reserve_budget
 from serve_app.access.keys import principal_of, require_model
 from serve_app.access.output_budget import BudgetRules, output_budget, server_and_key_caps
 from serve_app.access.prefix_scope import prefix_namespace
@@ -54,6 +55,26 @@ def new_response_id() -> str:
     return "resp_" + uuid.uuid4().hex
 
 
+async def reserve_detached(
+    request: Request, principal: Any, num_prompt_tokens: int, max_tokens: int
+) -> Callable[[int], None] | None:
+    """A stored response's reservation against the key's budgets (429 naming the limit),
+    held until the response ends, not until its HTTP answer does (a background one answers
+    at once); the returned call settles it to measured usage."""
+    limiter = (request.scope.get("state") or {}).get(LIMITER_STATE_KEY)
+    if limiter is None:
+        return None
+    reservation_id = await limiter.reserve_detached(principal, num_prompt_tokens, max_tokens)
+    if reservation_id is None:
+        return None
+    key_id = principal.key_id
+
+    def settle(num_tokens: int) -> None:
+        limiter.settle_detached(key_id, reservation_id, num_tokens)
+
+    return settle
+
+
 def response_not_found(response_id: str, param: str | None = None) -> errors.APIError:
     return errors.not_found(
         "response_not_found",
@@ -81,11 +102,19 @@ class AdmittedResponse:
     deadline: float | None = None  # time.monotonic() past which the engine is given up
     # The request body's hash when an Idempotency-Key named the response (its replay check).
     idempotency: str | None = None
+    # A stored response outlives its request: called once when it ends (or never runs) with
+    # the tokens it used, it settles the key's budget reservation (as generations do).
+    on_end: Callable[[int], None] | None = None
     started: float = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.engine_request.prompt_token_ids)
+
+    def end(self, num_tokens: int) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end(num_tokens)
 
 
 class ResponseAdmission:
@@ -149,7 +178,11 @@ class ResponseAdmission:
             prompt_param="input",
             rules=RESPONSE_RULES,
         )
-        await reserve_budget(request, chat, [prompt_ids], max_tokens)
+        if req.store:
+            on_end = await reserve_detached(request, principal, len(prompt_ids), max_tokens)
+        else:
+            on_end = None
+            await reserve_budget(request, chat, [prompt_ids], max_tokens)
         params = chat.to_sampling_params(max_tokens)
         tail = self.texts.decode(prompt_ids[-PROMPT_TAIL:], skip_special_tokens=False)
         parse = chat_parse_options(chat, tail)
@@ -189,6 +222,7 @@ class ResponseAdmission:
             context=context,
             deadline=deadline,
             started=time.monotonic(),
+            on_end=on_end,
         )
 
     def _chat_request(self, req: ResponseCreate, messages: list[dict[str, Any]]) -> Any:

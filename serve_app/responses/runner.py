@@ -214,6 +214,7 @@ class ResponseRunner:
             self.live.pop(adm.response_id, None)
             if live.stream is not None:
                 live.stream.cancel()
+            adm.end(_total_tokens(live))  # settles the key's reservation, however it ended
 
     async def _execute(self, live: LiveResponse) -> None:
         adm = live.admitted
@@ -389,6 +390,14 @@ async def _follow_live(live: LiveResponse, index: int) -> AsyncIterator[Event]:
             if event["type"] in TERMINAL_EVENTS:
                 return
         await live.changed()
+
+
+def _total_tokens(live: LiveResponse) -> int:
+    """What the response used: its final usage; 0 when it never ran (refused, a replay)."""
+    if not live.done.done():
+        return 0
+    usage = live.done.result().get("usage") or {}
+    return int(usage.get("total_tokens") or 0)
 
 
 def _cancelled_by_request(live: LiveResponse) -> bool:

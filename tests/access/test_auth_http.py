@@ -467,6 +467,24 @@ def test_a_running_background_generation_holds_its_key_slot_until_it_ends(keyed:
     assert create_generation(keyed, "key-conc", max_output_tokens=2).status_code == 200
 
 
+def test_a_running_background_response_holds_its_key_slot_until_it_ends(keyed: Keyed):
+    headers = {"Authorization": "Bearer key-conc"}
+    body = {"model": MODEL, "input": "Tell a long story.", "max_output_tokens": 900,
+            "temperature": 0.0, "background": True}  # fmt: skip
+    r = httpx.post(f"{keyed.url}/v1/responses", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    # Answered at once (queued), still running: it holds the key's one slot.
+    assert post(keyed, "key-conc", chat(max_tokens=2)).status_code == 429
+    cancel = httpx.post(f"{keyed.url}/v1/responses/{rid}/cancel", headers=headers, timeout=30)
+    assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled"
+    deadline = time.monotonic() + 20
+    while ledger_usage("conc")["live_requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ledger_usage("conc")["live_requests"] == 0
+    assert post(keyed, "key-conc", chat(max_tokens=2)).status_code == 200
+
+
 # ------------------------------------------------------------------ prefix-cache scope
 
 PREFIX_TOKENS = 512

@@ -273,3 +273,20 @@ def test_a_refused_foreground_response_is_an_error_and_stores_nothing(store):
 
     asyncio.run(main())
     assert store.get_response("t", "resp_1") is None
+
+
+def test_the_keys_reservation_is_settled_once_to_what_the_response_used(store):
+    settled: list[int] = []
+
+    async def main():
+        adm = admitted()
+        adm.on_end = settled.append
+        runner = runner_for(store, FakeEngine(["a ", "b ", "c "]))
+        live = await runner.start(adm)
+        await asyncio.wait([live.done])
+        while len(runner.tasks):
+            await asyncio.sleep(0.01)
+        return live.done.result()
+
+    final = asyncio.run(main())
+    assert settled == [final["usage"]["total_tokens"]] == [len(PROMPT) + 3]
