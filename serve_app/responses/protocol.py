@@ -432,4 +432,8 @@ def responses_info(retention_s: float) -> dict[str, Any]:
         "events after sequence number N, then follows the live ones, on any replica",
         "disconnect": "a stored response runs outside its request: a client that disconnects "
         "does not cancel it; store: false responses are cancelled with their request",
+        "idempotency_key": "Idempotency-Key on POST (store: true) replays the recorded "
+        "response as JSON, never a new run or stream; another body is 409",
+        "replicas": "any ingress replica reads, chains, cancels and resumes a stored response; "
+        "x-served-by names the replica that answered",
     }

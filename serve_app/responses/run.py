@@ -38,10 +38,6 @@ class Ending:
     incomplete_reason: str | None = None
     error: dict[str, str] | None = None
 
-    @property
-    def terminal_event(self) -> str:
-        return f"response.{self.status}"
-
 
 def ending_of(finish_reason: str, stop_reason: Any) -> Ending:
     """The outcome table's responses column (`serve_app.outcomes`): an abort the reader did
