@@ -78,6 +78,7 @@ LAYERS: list[tuple[str, list[list[str]], bool]] = [
             ["serve_app.metrics"],
             ["serve_app.named_actors"],
             ["serve_app.ports"],
+            ["serve_app.served_by"],
         ],
         False,
     ),
