@@ -39,11 +39,14 @@ class Target:
 @dataclass
 class Stream:
     """One streamed answer: status, headers, the `data:` payloads in order (JSON decoded,
-    `[DONE]` kept as the string), what came after `[DONE]`, and when events arrived."""
+    `[DONE]` kept as the string), the `event:` names in order (typed streams such as
+    `/v1/responses` send one before each payload), what came after `[DONE]`, and when events
+    arrived."""
 
     status: int
     headers: dict[str, str]
     events: list[Any] = field(default_factory=list)
+    event_names: list[str] = field(default_factory=list)
     after_done: list[str] = field(default_factory=list)
     body: Any = None  # the JSON body of a refusal (no stream)
     ttft_s: float | None = None
@@ -159,6 +162,9 @@ class Session:
             return
         if out.done:
             out.after_done.append(line)
+            return
+        if line.startswith("event:"):
+            out.event_names.append(line[len("event:") :].strip())
             return
         if not line.startswith("data:"):
             out.events.append({"unparsed_line": line})

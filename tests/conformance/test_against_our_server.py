@@ -73,6 +73,17 @@ def test_a_clean_run_has_no_contract_violation(baseline):
     assert baseline.case("generations-cancel")["observation"]["repeat_unchanged"] is True
     limit = baseline.case("error-generation-limit")["outputs"]["error"]
     assert (limit["status"], limit["code"]) == (422, "max_tokens_exceeded")
+    # The Responses family: the typed stream in order, agreeing with every other read of it.
+    streamed = baseline.case("responses-stream")
+    assert streamed["observation"]["order_problems"] == []
+    assert streamed["observation"]["stored_equals_terminal"] is True
+    assert streamed["outputs"]["event_kinds"][:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert baseline.case("responses-chain")["observation"]["chain_in_context"] is True
 
 
 def test_the_command_writes_a_record(serve_url, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from serve_app.conformance.cases.responses import event_kinds, order_problems, streamed_text
 from serve_app.conformance.cases.structured import is_json_prefix
 from serve_app.conformance.observe import order_violations, shape, stream_events
 from serve_app.conformance.session import DONE, Stream
@@ -72,3 +73,45 @@ def test_a_cut_json_object_is_a_prefix(text):
 @pytest.mark.parametrize("text", ["}", '{"a" 1', '{"a": [}', '{"a": tx', "{,", '{"a": 1}}'])
 def test_text_no_json_starts_with_is_not_a_prefix(text):
     assert not is_json_prefix(text)
+
+
+def typed(kind: str, index: int | None = None, **fields) -> dict:
+    event = {"type": f"response.{kind}", **fields}
+    if index is not None:
+        event["output_index"] = index
+    return event
+
+
+def numbered(events: list[dict]) -> list[dict]:
+    return [{**e, "sequence_number": n} for n, e in enumerate(events)]
+
+
+RESPONSE_STREAM = [
+    typed("created"), typed("in_progress"),
+    typed("output_item.added", 0), typed("content_part.added", 0),
+    typed("output_text.delta", 0, delta="Hel"), typed("output_text.delta", 0, delta="lo"),
+    typed("output_text.done", 0, text="Hello"), typed("content_part.done", 0),
+    typed("output_item.done", 0), typed("completed"),
+]  # fmt: skip
+
+
+def test_a_well_formed_responses_stream_has_no_order_problem():
+    events = numbered(RESPONSE_STREAM)
+    assert order_problems(events) == []
+    assert event_kinds(events)[4:6] == ["response.output_text.delta+", "response.output_text.done"]
+    assert streamed_text(events) == ("Hello", ["Hello"])
+
+
+@pytest.mark.parametrize(
+    ("events", "wrong"),
+    [
+        (numbered(RESPONSE_STREAM[1:]), "not response.created"),
+        (numbered(RESPONSE_STREAM + [typed("output_text.delta", 0)]), "terminal events"),
+        (numbered(RESPONSE_STREAM[:3] + RESPONSE_STREAM[2:]), "opens before"),
+        (numbered(RESPONSE_STREAM[:8] + RESPONSE_STREAM[9:]), "never closes"),
+        (RESPONSE_STREAM, "sequence_numbers"),
+        ([{**e, "sequence_number": n + (n > 4)} for n, e in enumerate(RESPONSE_STREAM)], "gaps"),
+    ],
+)
+def test_a_broken_responses_stream_is_named(events, wrong):
+    assert any(wrong in problem for problem in order_problems(events))

@@ -7,6 +7,7 @@ from serve_app.conformance.cases import (  # noqa: F401  (each module registers 
     generations,
     identity,
     lifecycle,
+    responses,
     sampling,
     streaming,
     structured,
@@ -14,7 +15,8 @@ from serve_app.conformance.cases import (  # noqa: F401  (each module registers 
 from serve_app.conformance.cases.base import REGISTRY, Case
 
 # The order cases run and are listed in: what the server is, then what it generates, then
-# how it refuses, then the task family's resources, then a request's life (the slowest last).
+# how it refuses, then the task family's resources and the Responses family, then a
+# request's life (the slowest last).
 MODULE_ORDER = (
     "identity",
     "streaming",
@@ -22,6 +24,7 @@ MODULE_ORDER = (
     "structured",
     "errors",
     "generations",
+    "responses",
     "lifecycle",
 )
 
