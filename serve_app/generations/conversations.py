@@ -29,10 +29,9 @@ from serve_app.generations.protocol import (
     parse_body,
 )
 from serve_app.resources.conversations import append_items, applied, item_not_found, not_found
+from serve_app.resources.item_pages import item_list, item_page
 from serve_app.store.base import ConversationRecord, EditOutcome, Store
 
-MAX_LIST_LIMIT = 100
-DEFAULT_LIST_LIMIT = 20
 PARAM = "conversation_id"
 
 
@@ -47,16 +46,6 @@ def conversation_json(record: ConversationRecord) -> dict[str, Any]:
         "revision": record.revision,
         "pending_generation": record.pending_generation,
         "expires_at": record.expires_at,
-    }
-
-
-def item_list(items: list[dict[str, Any]], has_more: bool = False) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": has_more,
     }
 
 
@@ -134,21 +123,8 @@ class ConversationsAPI:
     async def list_items(self, request: Request) -> Response:
         """Newest first unless `order=asc`, `limit` per page, paged by `after` (an item id)."""
         refuse_include(request)
-        params = request.query_params
-        order = params.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise errors.invalid_request("'order' is 'asc' or 'desc'.", "order")
-        limit = list_limit(params.get("limit"))
         items = list((await self._record(request)).items)
-        if order == "desc":
-            items.reverse()
-        after = params.get("after")
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise errors.invalid_request(f"No item '{errors.echo(after)}'.", "after")
-            items = items[ids.index(after) + 1 :]
-        return JSONResponse(item_list(items[:limit], has_more=len(items) > limit))
+        return JSONResponse(item_page(items, request.query_params, "item"))
 
     async def create_items(self, request: Request) -> Response:
         """Appends under the revision rule; answers the added items (OpenAI's list)."""
@@ -205,18 +181,6 @@ def refuse_include(request: Request) -> None:
             raise errors.unsupported_parameter(
                 "include", "no additional item data (logprobs, image urls) is stored"
             )
-
-
-def list_limit(value: str | None) -> int:
-    if value is None:
-        return DEFAULT_LIST_LIMIT
-    try:
-        limit = int(value)
-    except ValueError:
-        raise errors.invalid_request("'limit' is an integer.", "limit") from None
-    if not 1 <= limit <= MAX_LIST_LIMIT:
-        raise errors.invalid_request(f"'limit' is 1 to {MAX_LIST_LIMIT}.", "limit")
-    return limit
 
 
 def expected_revision(value: str | None) -> int | None:

@@ -15,7 +15,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from serve_app.generations.conversations import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT
 from serve_app.generations.protocol import (
     ConversationCreate,
     ConversationItemsCreate,
@@ -58,6 +57,7 @@ from serve_app.protocol import (
     CompletionResponse,
 )
 from serve_app.resources.idempotency import MAX_IDEMPOTENCY_KEY_CHARS
+from serve_app.resources.item_pages import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT
 from serve_app.responses.protocol import ResponseCreate
 
 PATH = "/openapi.json"

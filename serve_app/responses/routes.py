@@ -34,8 +34,10 @@ from actors.outputs import RequestOutput
 from serve_app import errors
 from serve_app.access.keys import principal_of
 from serve_app.config.options import ServeConfig
+from serve_app.protocol.deadlines import HEADER_PARAM
 from serve_app.resources.idempotency import HEADER as IDEMPOTENCY_HEADER
 from serve_app.resources.idempotency import REPLAYED_HEADER, idempotency_key, key_reused
+from serve_app.resources.item_pages import item_page
 from serve_app.responses.admission import AdmittedResponse, ResponseAdmission, response_not_found
 from serve_app.responses.output import EventNumbers, context_messages
 from serve_app.responses.protocol import parse_body, renamed
@@ -45,8 +47,6 @@ from serve_app.store import open_store
 from serve_app.store.base import ResponseRecord
 
 logger = logging.getLogger(__name__)
-
-MAX_LIST_LIMIT = 100
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -182,30 +182,8 @@ class ResponsesAPI:
     async def input_items(self, request: Request) -> Response:
         """The response's input items, newest first unless `order=asc`, paged by `after`."""
         record = await self._record(request)
-        params = request.query_params
-        order = params.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise errors.invalid_request("'order' is 'asc' or 'desc'.", "order")
-        limit = _limit(params.get("limit"))
-        items = list(record.data["input_items"])
-        if order == "desc":
-            items.reverse()
-        after = params.get("after")
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise errors.invalid_request(f"No input item '{errors.echo(after)}'.", "after")
-            items = items[ids.index(after) + 1 :]
-        page = items[:limit]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": len(items) > limit,
-            }
-        )
+        page = item_page(record.data["input_items"], request.query_params, "input item")
+        return JSONResponse(page)
 
     # -------------------------------------------------------------------- helpers
 
@@ -374,21 +352,14 @@ class ResponsesAPI:
 
 def first_error(out: RequestOutput) -> errors.APIError:
     """The API error an engine's refusal of the first output stands for (nothing was sent:
-    a repeat is safe)."""
-    code, message = out.error_code, out.error or out.error_code or "the engine failed"
-    if code == "invalid_grammar":
-        return errors.invalid_grammar(message, "text.format")
-    if code == "overloaded":
-        return errors.overloaded(message, 1.0)
-    if code == "request_limit_exceeded":
-        return errors.APIError(400, code, f"Invalid grammar: {message}", param="text.format")
-    if code == "deadline_too_short":
-        return errors.deadline_too_short(message)
-    if code == "deadline_unmeetable":
-        return errors.deadline_unmeetable(message, retry_after_s=1.0)
-    if code == "engine_lost":
-        return errors.engine_lost(f"The engine failed: {message}", retryable=True)
-    return errors.internal_error(f"The engine failed: {message}", retryable=True)
+    a repeat is safe). A response's deadline can only come from the header."""
+    return errors.engine_refusal(
+        out.error_code,
+        out.error or out.error_code or "the engine failed",
+        grammar_param="text.format",
+        deadline_param=HEADER_PARAM,
+        retryable=True,
+    )
 
 
 async def aiter_of(gen: Any) -> AsyncIterator[Any]:
@@ -419,15 +390,3 @@ def _starting_after(value: str | None) -> int:
     if after < -1:
         raise errors.invalid_request("'starting_after' is -1 or more.", "starting_after")
     return after
-
-
-def _limit(value: str | None) -> int:
-    if value is None:
-        return 20
-    try:
-        limit = int(value)
-    except ValueError:
-        raise errors.invalid_request("'limit' is an integer.", "limit") from None
-    if not 1 <= limit <= MAX_LIST_LIMIT:
-        raise errors.invalid_request(f"'limit' is 1 to {MAX_LIST_LIMIT}.", "limit")
-    return limit

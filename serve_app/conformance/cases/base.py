@@ -129,6 +129,16 @@ def raw_post(
     return r.status_code, dict(r.headers), _body(r)
 
 
+def json_object(response) -> dict[str, Any]:
+    """A response's JSON as an object: a non-object under `value`, a non-JSON body's start
+    under `text`."""
+    try:
+        value = response.json()
+    except ValueError:
+        return {"text": response.text[:500]}
+    return value if isinstance(value, dict) else {"value": value}
+
+
 def _body(response) -> Any:
     try:
         return response.json()

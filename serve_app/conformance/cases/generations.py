@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from serve_app.conformance.cases.base import case, raw_post
+from serve_app.conformance.cases.base import case, json_object, raw_post
 from serve_app.conformance.cases.errors import expect_error
 from serve_app.conformance.observe import header_facts, shape
 from serve_app.conformance.record import CaseRecord
@@ -38,7 +38,7 @@ def text_profile(s: Session, record: CaseRecord) -> dict[str, Any]:
         r = s.http.get(f"{GENERATIONS}/gen-conformance-probe")
         record.unsupported(
             "no generation profile in /v1/server_info (the task family is not served)",
-            {"status": r.status_code, "body": _json(r)},
+            {"status": r.status_code, "body": json_object(r)},
         )
     for p in profiles:
         if "text" in (p.get("output_formats") or ["text"]):
@@ -104,7 +104,7 @@ def resource(s: Session, record: CaseRecord) -> None:
     record.check(at_resource, f"Location {location!r} is not the resource")
     r = s.http.get(f"{GENERATIONS}/{created.get('id')}")
     record.outputs["retrieve"] = {"status": r.status_code}
-    got = _json(r)
+    got = json_object(r)
     same = isinstance(got, dict) and all(
         got.get(f) == created.get(f) for f in ("id", "status", "output", "finish_reason", "usage")
     )
@@ -112,7 +112,7 @@ def resource(s: Session, record: CaseRecord) -> None:
     record.check(r.status_code == 200 and same, f"GET: HTTP {r.status_code}, not the same resource")
     r = s.http.get(f"{GENERATIONS}/gen-conformance-missing")
     record.inputs["unknown_id"] = "GET /v1/generations/gen-conformance-missing"
-    expect_error(record, "unknown_id", (r.status_code, dict(r.headers), _json(r)), 404,
+    expect_error(record, "unknown_id", (r.status_code, dict(r.headers), json_object(r)), 404,
                  ("generation_not_found",))  # fmt: skip
 
 
@@ -157,11 +157,11 @@ def cancel(s: Session, record: CaseRecord) -> None:
     if first.status_code != 200:
         record.fail(f"cancel: HTTP {first.status_code}: {first.text[:300]}")
     started = time.monotonic()
-    ended = _json(first)
+    ended = json_object(first)
     settle_by = started + CANCEL_SETTLES_WITHIN_S
     while ended.get("status") not in TERMINAL and time.monotonic() < settle_by:
         time.sleep(0.05)
-        ended = _json(s.http.get(f"{GENERATIONS}/{gid}"))
+        ended = json_object(s.http.get(f"{GENERATIONS}/{gid}"))
     record.timings["ended_after_cancel_s"] = round(time.monotonic() - started, 3)
     # Completion may win the race, but a 400-token answer rarely does: either is the contract.
     record.observation["ended"] = ended.get("status") in ("cancelled", "completed", "incomplete")
@@ -169,7 +169,7 @@ def cancel(s: Session, record: CaseRecord) -> None:
     record.notes["status_after_cancel"] = ended.get("status")
     check_resource(record, "after_cancel", ended, profile["name"])
     again = s.http.post(cancel_path)
-    repeat = _json(again)
+    repeat = json_object(again)
     unchanged = again.status_code == 200 and all(
         repeat.get(f) == ended.get(f) for f in ("status", "finish_reason", "usage")
     )
@@ -190,11 +190,3 @@ def generation_limit(s: Session, record: CaseRecord) -> None:
     body = {**create_body(profile, "hi", "sync", 1), "max_output_tokens": limit + 1}
     answer = raw_post(s, record, "request", GENERATIONS, body)
     expect_error(record, "error", answer, 422, ("max_tokens_exceeded",))
-
-
-def _json(r) -> Any:
-    try:
-        value = r.json()
-    except ValueError:
-        return {"text": r.text[:500]}
-    return value if isinstance(value, dict) else {"value": value}

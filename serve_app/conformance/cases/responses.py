@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.conformance.cases.base import REFUSED_AS_UNSUPPORTED, case, raw_post
+from serve_app.conformance.cases.base import REFUSED_AS_UNSUPPORTED, case, json_object, raw_post
 from serve_app.conformance.cases.errors import expect_error
 from serve_app.conformance.observe import shape
 from serve_app.conformance.record import CaseRecord
@@ -189,7 +189,7 @@ def chain(s: Session, record: CaseRecord) -> None:
     deleted = r.status_code == 200 and r.json().get("deleted") is True
     record.check(deleted, f"DELETE: HTTP {r.status_code}: {r.text[:200]}")
     r = s.http.get(f"{RESPONSES}/{rid}")
-    gone = (r.status_code, dict(r.headers), _json(r))
+    gone = (r.status_code, dict(r.headers), json_object(r))
     expect_error(record, "after_delete", gone, 404, ("response_not_found",))
     answer = raw_post(s, record, "chain_deleted", RESPONSES, {**follow})
     expect_error(record, "chain_deleted", answer, 404, ("response_not_found",))
@@ -204,11 +204,3 @@ def _input_tokens(response: dict[str, Any]) -> int:
 
 def _is_response(answer: Any) -> bool:
     return isinstance(answer, dict) and answer.get("object") == "response"
-
-
-def _json(r) -> Any:
-    try:
-        value = r.json()
-    except ValueError:
-        return {"text": r.text[:500]}
-    return value if isinstance(value, dict) else {"value": value}
