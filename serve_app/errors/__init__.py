@@ -69,6 +69,7 @@ from serve_app.errors.constructors import (  # noqa: F401
     deadline_too_short,
     deadline_unmeetable,
     engine_lost,
+    engine_refusal,
     internal_error,
     invalid_api_key,
     invalid_grammar,

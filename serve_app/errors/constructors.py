@@ -127,3 +127,33 @@ def engine_lost(message: str, retryable: bool = False) -> APIError:
     """The engine replica (or a worker of it) failed under a running request."""
     headers = {"x-should-retry": "true" if retryable else "false"}
     return APIError(500, "engine_lost", message, headers=headers)
+
+
+# ------------------------------------------------------------------- engine refusals
+
+
+def engine_refusal(
+    code: str | None,
+    message: str,
+    *,
+    grammar_param: str | None,
+    deadline_param: str,
+    retryable: bool,
+) -> APIError:
+    """The API error an engine output's error stands for, by its code (the error table's
+    class): a grammar's own is the client's 400 naming `grammar_param`, a deadline the client
+    set is named by where it was set, a lost engine is `engine_lost`, anything else 500.
+    `retryable`: nothing of the answer was sent yet, so a repeat is safe."""
+    if code == "invalid_grammar":
+        return invalid_grammar(message, grammar_param)
+    if code == "overloaded":  # the grammar compilers are saturated
+        return overloaded(message, 1.0)
+    if code == "request_limit_exceeded":
+        return APIError(400, code, f"Invalid grammar: {message}", param=grammar_param)
+    if code == "deadline_too_short":
+        return deadline_too_short(message, deadline_param)
+    if code == "deadline_unmeetable":
+        return deadline_unmeetable(message, retry_after_s=1.0)
+    if code == "engine_lost":
+        return engine_lost(f"The engine failed: {message}", retryable=retryable)
+    return internal_error(f"The engine failed: {message}", retryable=retryable)

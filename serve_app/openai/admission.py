@@ -23,7 +23,7 @@ from serve_app.openai.format import ChoiceState, Formatter
 from serve_app.openai.token_text import TokenTexts
 from serve_app.parsers.chat_output import ChoiceParser, ParseOptions
 from serve_app.protocol import Usage, new_id
-from serve_app.protocol.deadlines import client_timeout_s
+from serve_app.protocol.deadlines import FIELD_PARAM, client_timeout_s, deadline_param
 from serve_app.workers.constraint import start_grammar
 
 
@@ -42,6 +42,8 @@ class AdmittedRequest:
     started: float = 0.0
     # Chat: how each choice's text is read (reasoning, tool calls); None: verbatim content.
     parse: ParseOptions | None = None
+    # Where the client's deadline was set: the `param` of a deadline error.
+    deadline_param: str = FIELD_PARAM
 
     @property
     def num_choices(self) -> int:
@@ -136,6 +138,7 @@ class OpenAIAdmission:
             req, formatter, engine_requests, echo, params.n, deadline, parse=parse
         )
         job.started = time.monotonic()
+        job.deadline_param = deadline_param(request, req)
         return job
 
     async def start_grammar(self, req: Any, parse: ParseOptions | None) -> list[object] | None:

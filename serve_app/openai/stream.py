@@ -136,22 +136,15 @@ class EngineFailed(Exception):
 def engine_error(
     code: str | None, message: str, job: AdmittedRequest, *, retryable: bool
 ) -> errors.APIError:
-    """The API error an engine output's error stands for, by its code (the error table's
-    class: a grammar's own is the client's 400, a lost engine is `engine_lost`)."""
-    param = job.req.grammar_param()
-    if code == "invalid_grammar":
-        return errors.invalid_grammar(message, param)
-    if code == "overloaded":  # the grammar compilers are saturated
-        return errors.overloaded(message, 1.0)
-    if code == "request_limit_exceeded":
-        return errors.APIError(400, code, f"Invalid grammar: {message}", param=param)
-    if code == "deadline_too_short":
-        return errors.deadline_too_short(message)
-    if code == "deadline_unmeetable":
-        return errors.deadline_unmeetable(message, retry_after_s=1.0)
-    if code == "engine_lost":
-        return errors.engine_lost(f"The engine failed: {message}", retryable=retryable)
-    return errors.internal_error(f"The engine failed: {message}", retryable=retryable)
+    """The API error an engine output's error stands for (errors.engine_refusal), naming
+    the request's grammar field and where its deadline was set."""
+    return errors.engine_refusal(
+        code,
+        message,
+        grammar_param=job.req.grammar_param(),
+        deadline_param=job.deadline_param,
+        retryable=retryable,
+    )
 
 
 class RequestOutputs:

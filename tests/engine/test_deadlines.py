@@ -114,6 +114,14 @@ def test_deadlines_over_http(serve_url):
     too_short = httpx.post(url, json=warm, headers={"X-Request-Timeout-Ms": "0.001"}, timeout=60)
     assert too_short.status_code == 400
     assert too_short.json()["error"]["code"] == "deadline_too_short"
+    # The error names where the deadline was set: the header, or the stricter `timeout` field.
+    assert too_short.json()["error"]["param"] == "X-Request-Timeout-Ms"
+    strict_field = {**warm, "timeout": 0.000001}
+    headers = {"X-Request-Timeout-Ms": "60000"}
+    by_field = httpx.post(url, json=strict_field, headers=headers, timeout=60).json()["error"]
+    assert (by_field["code"], by_field["param"]) == ("deadline_too_short", "timeout")
+    bad = httpx.post(url, json=warm, headers={"X-Request-Timeout-Ms": "soon"}, timeout=60)
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "X-Request-Timeout-Ms")
 
     # 1000 tokens take well over a second here; the first comes long before the deadline.
     body = {"model": model, "prompt": "go", "max_tokens": 1000, "ignore_eos": True, "timeout": 1.0}
