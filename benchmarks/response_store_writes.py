@@ -3,7 +3,8 @@
 Runs the stored-response runner (serve_app/responses/runner.py) on a scripted engine that
 emits one token per output, at a few lengths and token rates, against a real SQLite store,
 and prints JSON: events, record writes (insert + batched updates + the terminal one), the
-final record's size and the bytes written over the response's life.
+final record's size, the stored events' size, and the bytes written over the response's life
+(each write's record plus the events it appends).
 
     .venv/bin/python benchmarks/response_store_writes.py
 """
@@ -35,13 +36,17 @@ class CountingStore(SQLiteStore):
         super().__init__(path)
         self.num_bytes = 0
 
-    def insert_response(self, record: Any) -> None:
-        self.num_bytes += len(json.dumps(record.data))
-        super().insert_response(record)
+    def insert_response(self, record: Any, events: Any = ()) -> None:
+        self.num_bytes += written_bytes(record, events)
+        super().insert_response(record, events)
 
-    def update_response(self, record: Any, expected: Any) -> bool:
-        self.num_bytes += len(json.dumps(record.data))
-        return super().update_response(record, expected)
+    def update_response(self, record: Any, expected: Any, events: Any = ()) -> bool:
+        self.num_bytes += written_bytes(record, events)
+        return super().update_response(record, expected, events)
+
+
+def written_bytes(record: Any, events: Any) -> int:
+    return len(json.dumps(record.data)) + sum(len(json.dumps(event)) for event in events)
 
 
 class Engine:
@@ -105,7 +110,8 @@ def measure(num_tokens: int, per_token_s: float) -> dict[str, Any]:
 
     live = asyncio.run(run())
     record = store.get_response("t", "resp_1")
-    assert record is not None
+    events = store.get_response_events("t", "resp_1", -1)
+    assert record is not None and len(events) == len(live.events)
     store.close()
     return {
         "output_tokens": num_tokens,
@@ -113,6 +119,7 @@ def measure(num_tokens: int, per_token_s: float) -> dict[str, Any]:
         "events": len(live.events),
         "store_writes": live.num_writes,
         "record_bytes": len(json.dumps(record.data)),
+        "event_bytes": sum(len(json.dumps(event)) for event in events),
         "bytes_written": store.num_bytes,
     }
 

@@ -3,10 +3,12 @@
 A stored response (`store: true`, the default) is a task this process owns
 (`serve_app.resources.owned`, as generation resources are run): a client that disconnects
 stops reading, never the work. Its typed events are numbered once, here, and kept in two
-places: in memory for the readers in this process, and in the store's record for everyone
-else (another ingress replica, a later resume, a restart). The record is written in batches
+places: in memory for the readers in this process, and in the store for everyone else
+(another ingress replica, a later resume, a restart). The store is written in batches
 (`FLUSH_EVENTS` events or `FLUSH_PERIOD_S`, whichever comes first, and a heartbeat while the
-engine is silent), never once per token; its terminal event is written before it is sent.
+engine is silent), never once per token: each write rewrites the record (the response so far)
+and appends only the events new since the last one, in one transaction; the terminal event
+is written, with the final record, before it is sent.
 
 Cancel is a compare-and-set on the record's status: a cancel this process receives stops its
 engine stream at once; one another replica wrote is seen by the owner at its next write,
@@ -177,7 +179,7 @@ class ResponseRunner:
 
     async def follow(self, tenant: str, response_id: str, after: int) -> AsyncIterator[Event]:
         """The events after sequence number `after`: from memory while this process runs
-        it, else from the store's record, polled until its terminal event."""
+        it, else from the store, polled until its terminal event."""
         index = after + 1
         while True:
             live = self.find(tenant, response_id)
@@ -188,12 +190,16 @@ class ResponseRunner:
             record = await self.record(tenant, response_id)
             if record is None:
                 return  # deleted while read
-            events = record.data.get("events", [])
-            for event in events[index:]:
+            # Read after the record: they reach at least as far as its status says.
+            events = await asyncio.to_thread(
+                self.store.get_response_events, tenant, response_id, index - 1
+            )
+            for event in events:
                 yield event
                 if event["type"] in TERMINAL_EVENTS:
                     return
-            index = max(index, len(events))
+            if events:
+                index = events[-1]["sequence_number"] + 1
             if record.status not in UNFINISHED:
                 return
             await asyncio.sleep(FOLLOW_POLL_S)
@@ -282,10 +288,8 @@ class ResponseRunner:
         run's ending was stored, else the ending the store already held."""
         terminal = {"type": f"response.{final['status']}", "response": final}
         terminal["sequence_number"] = len(live.events)
-        data = self._data(live, final, [*live.events, terminal])
-        record = self._record_of(live, final["status"], data)
         stored: dict[str, Any] | None = None
-        if not await self._write(live, record, UNFINISHED):
+        if not await self._write(live, final, UNFINISHED, terminal):
             current = await asyncio.to_thread(
                 self.store.get_response, live.admitted.tenant, live.id
             )
@@ -315,34 +319,44 @@ class ResponseRunner:
         run = live.run
         items = run.items.items if run is not None else []
         status = "in_progress" if run is not None else live.events[-1]["response"]["status"]
-        current = live.base(status, items, None)
-        events = list(live.events)
-        record = self._record_of(live, status, self._data(live, current, events))
-        if await self._write(live, record, RUNNING):
-            live.num_flushed = len(events)
-        else:  # ended elsewhere: a cancel another replica wrote
-            live.request_cancel()
+        if not await self._write(live, live.base(status, items, None), RUNNING):
+            live.request_cancel()  # ended elsewhere: a cancel another replica wrote
 
     async def _insert(self, live: LiveResponse, status: str) -> None:
         current = live.base(status, [], None)
-        record = self._record_of(live, status, self._data(live, current, list(live.events)))
+        record = self._record_of(live, status, self._data(live, current))
+        events = list(live.events)
         live.flushed_at = time.monotonic()
-        await asyncio.to_thread(self.store.insert_response, record)
+        await asyncio.to_thread(self.store.insert_response, record, events)
         live.num_writes += 1
-        live.num_flushed = len(record.data["events"])
+        live.num_flushed = len(events)
         self.live[live.id] = live
 
     async def _write(
-        self, live: LiveResponse, record: ResponseRecord, expected: tuple[str, ...]
+        self,
+        live: LiveResponse,
+        response: dict[str, Any],
+        expected: tuple[str, ...],
+        terminal: Event | None = None,
     ) -> bool:
+        """Rewrite the record with `response` and append the events not stored yet (then
+        `terminal`, not published yet), if its status is `expected`."""
         async with live.lock:
+            # Sliced under the lock: a heartbeat and a batch never append the same events.
+            num_events = len(live.events)
+            events = live.events[live.num_flushed : num_events]
+            if terminal is not None:
+                events.append(terminal)
+            record = self._record_of(live, response["status"], self._data(live, response))
             live.flushed_at = time.monotonic()
             live.num_writes += 1
-            return await asyncio.to_thread(self.store.update_response, record, expected)
+            args = (record, expected, events)
+            if not await asyncio.to_thread(self.store.update_response, *args):
+                return False
+            live.num_flushed = num_events
+            return True
 
-    def _data(
-        self, live: LiveResponse, response: dict[str, Any], events: list[Event]
-    ) -> dict[str, Any]:
+    def _data(self, live: LiveResponse, response: dict[str, Any]) -> dict[str, Any]:
         adm = live.admitted
         context = adm.context
         if response["status"] not in UNFINISHED:
@@ -351,7 +365,6 @@ class ResponseRunner:
             "response": response,
             "input_items": adm.input_items,
             "context": context,
-            "events": events,
             "written_at": time.time(),
             "idempotency": adm.idempotency,
             "store_writes": live.num_writes + 1,
@@ -367,15 +380,16 @@ class ResponseRunner:
     ) -> ResponseRecord:
         """End a record this process does not run, with its terminal event."""
         response = {**record.data["response"], "status": status, "error": error}
-        events = list(record.data.get("events", []))
+        events = await asyncio.to_thread(
+            self.store.get_response_events, record.tenant, record.id, -1
+        )
         terminal = {
             "type": f"response.{status}",
             "response": response,
             "sequence_number": len(events),
         }
-        data = {**record.data, "response": response, "events": [*events, terminal]}
-        ended = replace(record, status=status, data=data)
-        if await asyncio.to_thread(self.store.update_response, ended, UNFINISHED):
+        ended = replace(record, status=status, data={**record.data, "response": response})
+        if await asyncio.to_thread(self.store.update_response, ended, UNFINISHED, [terminal]):
             return ended
         current = await asyncio.to_thread(self.store.get_response, record.tenant, record.id)
         return current or ended

@@ -19,6 +19,12 @@ Schema (plain SQL types, JSON as TEXT, times as REAL Unix seconds):
     owners(owner TEXT PK, heartbeat_at REAL)
     responses(id TEXT PK, tenant TEXT, status TEXT, data TEXT, created_at REAL,
               expires_at REAL)
+    response_events(tenant TEXT, response_id TEXT, seq INTEGER, data TEXT,
+                    PK(tenant, response_id, seq))
+
+A stored response's stream events are rows of `response_events` (appended, never rewritten),
+so keeping them costs bytes in proportion to their number; records written before that table
+existed hold them in `data["events"]`, and are still read from there.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 Clock = Callable[[], float]
+# A numbered stream event of a stored response (its `sequence_number` is its row's `seq`).
+StreamEvent = dict[str, Any]
 
 # Statuses after which a generation never changes again.
 TERMINAL_STATUSES = frozenset({"completed", "incomplete", "refused", "failed", "cancelled"})
@@ -239,24 +247,37 @@ class Store(ABC):
         """Remove one item and bump the revision, under the same rule as appending."""
 
     @abstractmethod
-    def insert_response(self, record: ResponseRecord) -> None:
-        """Record a finished response (its id is new)."""
+    def insert_response(self, record: ResponseRecord, events: Sequence[StreamEvent] = ()) -> None:
+        """Record a response (its id is new) with its first stream events."""
 
     @abstractmethod
     def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None: ...
 
     @abstractmethod
-    def delete_response(self, tenant: str, response_id: str) -> bool:
-        """False when there was none (for this tenant, unexpired)."""
+    def get_response_events(self, tenant: str, response_id: str, after: int) -> list[StreamEvent]:
+        """The response's stream events numbered after `after`, in order ([] when the
+        response is absent or expired)."""
 
     @abstractmethod
-    def update_response(self, record: ResponseRecord, expected_status: Collection[str]) -> bool:
+    def delete_response(self, tenant: str, response_id: str) -> bool:
+        """Delete it and its events; False when there was none (for this tenant, unexpired)."""
+
+    @abstractmethod
+    def update_response(
+        self,
+        record: ResponseRecord,
+        expected_status: Collection[str],
+        events: Sequence[StreamEvent] = (),
+    ) -> bool:
         """Replace status/data/expires_at of an unexpired response of the record's tenant if
-        its stored status is expected; False otherwise (compare-and-set, as generations)."""
+        its stored status is expected, and append `events` in the same transaction; False
+        (nothing written) otherwise, or when one of their sequence numbers is already stored
+        (compare-and-set, as generations)."""
 
     @abstractmethod
     def purge_expired(self) -> int:
-        """Delete every expired row (any tenant); returns how many went."""
+        """Delete every expired row (any tenant), an expired response's events with it;
+        returns how many rows went (a response's events not counted)."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -309,6 +330,7 @@ __all__ = [
     "InsertResult",
     "ResponseRecord",
     "Store",
+    "StreamEvent",
     "TERMINAL_STATUSES",
     "TurnAppend",
 ]

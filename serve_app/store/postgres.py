@@ -41,6 +41,9 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS responses (
         id TEXT PRIMARY KEY, tenant TEXT NOT NULL, status TEXT NOT NULL, data TEXT NOT NULL,
         created_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS response_events (
+        tenant TEXT NOT NULL, response_id TEXT NOT NULL, seq INTEGER NOT NULL,
+        data TEXT NOT NULL, PRIMARY KEY (tenant, response_id, seq))""",
 ]
 # Advisory lock ids: schema creation (concurrent CREATE ... IF NOT EXISTS can still collide).
 SCHEMA_LOCK = 7_324_001

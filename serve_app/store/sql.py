@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -30,12 +30,20 @@ from serve_app.store.base import (
     InsertResult,
     ResponseRecord,
     Store,
+    StreamEvent,
     TurnAppend,
     conversation_from_row,
     generation_from_row,
     response_from_row,
 )
 from serve_app.store.items import items_of_messages
+
+# Rows per INSERT statement of events (4 parameters each: under SQLite's oldest limit of 999).
+EVENTS_PER_INSERT = 200
+
+
+class _SequenceTaken(Exception):
+    """An appended event's sequence number was already stored."""
 
 
 class SQL(Protocol):
@@ -353,7 +361,7 @@ class SQLStore(Store):
 
     # ------------------------------------------------------------------ responses
 
-    def insert_response(self, record: ResponseRecord) -> None:
+    def insert_response(self, record: ResponseRecord, events: Sequence[StreamEvent] = ()) -> None:
         with self._write() as db:
             db.execute(
                 f"INSERT INTO responses ({RESPONSE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
@@ -366,6 +374,8 @@ class SQLStore(Store):
                     record.expires_at,
                 ),
             )
+            if not self._append_events(db, record, events):
+                raise ValueError(f"response {record.id}: an event's sequence number repeats")
 
     def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         with self._read() as db:
@@ -376,38 +386,100 @@ class SQLStore(Store):
             ).fetchone()
         return None if row is None else response_from_row(row)
 
+    def get_response_events(self, tenant: str, response_id: str, after: int) -> list[StreamEvent]:
+        with self._read() as db:
+            row = db.execute(
+                "SELECT data FROM responses WHERE id = ? AND tenant = ? AND expires_at > ?",
+                (response_id, tenant, self.clock()),
+            ).fetchone()
+            if row is None:
+                return []
+            rows = db.execute(
+                "SELECT data FROM response_events WHERE tenant = ? AND response_id = ?"
+                " AND seq > ? ORDER BY seq",
+                (tenant, response_id, after),
+            ).fetchall()
+        # A record of the previous schema holds its events in `data` (the table may hold
+        # only the terminal event a later reader appended after them).
+        kept = json.loads(row[0]).get("events", [])
+        return kept[after + 1 :] + [json.loads(data) for (data,) in rows]
+
     def delete_response(self, tenant: str, response_id: str) -> bool:
         with self._write() as db:
             cursor = db.execute(
                 "DELETE FROM responses WHERE id = ? AND tenant = ? AND expires_at > ?",
                 (response_id, tenant, self.clock()),
             )
-            return cursor.rowcount == 1
+            if cursor.rowcount != 1:
+                return False
+            db.execute(
+                "DELETE FROM response_events WHERE tenant = ? AND response_id = ?",
+                (tenant, response_id),
+            )
+            return True
 
-    def update_response(self, record: ResponseRecord, expected_status: Collection[str]) -> bool:
+    def update_response(
+        self,
+        record: ResponseRecord,
+        expected_status: Collection[str],
+        events: Sequence[StreamEvent] = (),
+    ) -> bool:
         statuses = sorted(expected_status)
         marks = ", ".join("?" for _ in statuses)
-        with self._write() as db:
+        try:
+            with self._write() as db:
+                cursor = db.execute(
+                    "UPDATE responses SET status = ?, data = ?, expires_at = ?"
+                    f" WHERE id = ? AND tenant = ? AND expires_at > ? AND status IN ({marks})",
+                    (
+                        record.status,
+                        json.dumps(record.data),
+                        record.expires_at,
+                        record.id,
+                        record.tenant,
+                        self.clock(),
+                        *statuses,
+                    ),
+                )
+                if cursor.rowcount != 1:
+                    return False
+                if not self._append_events(db, record, events):
+                    raise _SequenceTaken  # rolls the update back
+                return True
+        except _SequenceTaken:
+            return False
+
+    def _append_events(
+        self, db: SQL, record: ResponseRecord, events: Sequence[StreamEvent]
+    ) -> bool:
+        """Insert the events' rows; False when a sequence number was already stored (the
+        caller rolls back: another writer numbered the same events)."""
+        for start in range(0, len(events), EVENTS_PER_INSERT):
+            batch = events[start : start + EVENTS_PER_INSERT]
+            params: list[Any] = []
+            for event in batch:
+                params += [record.tenant, record.id, event["sequence_number"], json.dumps(event)]
             cursor = db.execute(
-                "UPDATE responses SET status = ?, data = ?, expires_at = ?"
-                f" WHERE id = ? AND tenant = ? AND expires_at > ? AND status IN ({marks})",
-                (
-                    record.status,
-                    json.dumps(record.data),
-                    record.expires_at,
-                    record.id,
-                    record.tenant,
-                    self.clock(),
-                    *statuses,
-                ),
+                "INSERT INTO response_events (tenant, response_id, seq, data) VALUES "
+                + ", ".join("(?, ?, ?, ?)" for _ in batch)
+                + " ON CONFLICT (tenant, response_id, seq) DO NOTHING",
+                tuple(params),
             )
-            return cursor.rowcount == 1
+            if cursor.rowcount != len(batch):
+                return False
+        return True
 
     # ---------------------------------------------------------------------- upkeep
 
     def purge_expired(self) -> int:
         now = self.clock()
         with self._write() as db:
+            # An expired response's events go with it (not counted: they are part of it).
+            db.execute(
+                "DELETE FROM response_events WHERE (tenant, response_id) IN"
+                " (SELECT tenant, id FROM responses WHERE expires_at <= ?)",
+                (now,),
+            )
             removed = 0
             for table in ("generations", "idempotency_keys", "conversations", "responses"):
                 cursor = db.execute(

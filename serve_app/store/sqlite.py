@@ -37,6 +37,10 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, status TEXT NOT NULL, data TEXT NOT NULL,
     created_at REAL NOT NULL, expires_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS response_events (
+    tenant TEXT NOT NULL, response_id TEXT NOT NULL, seq INTEGER NOT NULL, data TEXT NOT NULL,
+    PRIMARY KEY (tenant, response_id, seq)
+);
 """
 
 

@@ -5,6 +5,7 @@ the store), cancel here and from another replica, a lost engine, a lost owner.""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from serve_app.parsers.chat_output import ParseOptions
 from serve_app.responses.admission import AdmittedResponse
 from serve_app.responses.protocol import parse_body
 from serve_app.responses.runner import FLUSH_EVENTS, ResponseRunner
+from serve_app.store.base import ResponseRecord
 from serve_app.store.sqlite import SQLiteStore
 
 PROMPT = [1, 2, 3, 4]
@@ -99,11 +101,31 @@ def admitted(rid: str = "resp_1", background: bool = True, tenant: str = "t") ->
     )
 
 
+class RecordingStore(SQLiteStore):
+    """Records what each record write carried: its data's bytes and the events it appended."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.writes: list[tuple[int, list[dict]]] = []
+
+    def insert_response(self, record: ResponseRecord, events: Any = ()) -> None:
+        self.writes.append((len(json.dumps(record.data)), list(events)))
+        super().insert_response(record, events)
+
+    def update_response(self, record: ResponseRecord, expected: Any, events: Any = ()) -> bool:
+        self.writes.append((len(json.dumps(record.data)), list(events)))
+        return super().update_response(record, expected, events)
+
+
 @pytest.fixture
 def store(tmp_path: Path):
-    s = SQLiteStore(tmp_path / "r.sqlite3")
+    s = RecordingStore(tmp_path / "r.sqlite3")
     yield s
     s.close()
+
+
+def stored_events(store: SQLiteStore, rid: str = "resp_1") -> list[dict]:
+    return store.get_response_events("t", rid, -1)
 
 
 def runner_for(store: SQLiteStore, engine: FakeEngine, orphan_after_s: float = 60.0):
@@ -133,7 +155,7 @@ def test_a_background_response_is_queued_at_once_and_recorded_in_batches(store):
     live = asyncio.run(main())
     record = store.get_response("t", "resp_1")
     assert record.status == "completed" and record.data["response"]["status"] == "completed"
-    events = record.data["events"]
+    events = stored_events(store)
     check_numbered(events)
     assert events == live.events
     assert [e["type"] for e in events[:3]] == [
@@ -144,8 +166,17 @@ def test_a_background_response_is_queued_at_once_and_recorded_in_batches(store):
     assert text == "".join(texts)
     # Batched: one write per FLUSH_EVENTS events at most (plus the first and the last).
     writes = record.data["store_writes"]
-    assert writes == live.num_writes <= len(events) // FLUSH_EVENTS + 3
+    assert writes == live.num_writes == len(store.writes) <= len(events) // FLUSH_EVENTS + 3
     assert record.data["context"][-1]["role"] == "assistant"
+    # Each write appends only the events new since the last (the terminal one with the final
+    # record): every event is written once, and the record carries none of them.
+    appended = [event for _, batch in store.writes for event in batch]
+    assert appended == events
+    assert all(len(batch) <= FLUSH_EVENTS + 1 for _, batch in store.writes)
+    assert "events" not in record.data
+    # So a write's bytes stay far below the history's: the record is the response so far.
+    history_bytes = len(json.dumps(events))
+    assert max(num_bytes for num_bytes, _ in store.writes) < history_bytes / 10
 
 
 def test_resume_from_any_event_equals_the_uncut_stream(store):
@@ -186,10 +217,9 @@ def test_cancel_while_running_keeps_the_usage_and_is_idempotent(store):
     assert engine.streams[0].is_cancelled
     assert first["usage"]["output_tokens"] > 0 and first["usage"]["input_tokens"] == len(PROMPT)
     record = store.get_response("t", "resp_1")
-    assert record.status == "cancelled" and record.data["events"][-1]["type"] == (
-        "response.cancelled"
-    )
-    check_numbered(record.data["events"])
+    assert record.status == "cancelled"
+    assert stored_events(store)[-1]["type"] == "response.cancelled"
+    check_numbered(stored_events(store))
 
 
 def test_completion_wins_a_late_cancel(store):
@@ -228,7 +258,7 @@ def test_a_lost_engine_fails_the_response_engine_lost_with_its_usage(store):
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.failed" and final["error"]["code"] == "engine_lost"
     assert final["usage"]["output_tokens"] == 4
-    assert store.get_response("t", "resp_1").data["events"] == events
+    assert stored_events(store) == events
 
 
 def test_a_response_whose_owner_is_gone_reads_failed_engine_lost(store):
@@ -252,6 +282,31 @@ def test_a_response_whose_owner_is_gone_reads_failed_engine_lost(store):
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"]["code"] == "engine_lost"
     assert store.get_response("t", "resp_1").status == "failed"
+
+
+def test_a_record_that_kept_its_events_inside_it_still_resumes_and_ends(store):
+    """A record the previous revision wrote (its events in `data`), its owner gone."""
+    running = {"id": "resp_old", "status": "in_progress", "output": [], "usage": None}
+    old = [
+        {"type": "response.created", "response": running, "sequence_number": 0},
+        {"type": "response.in_progress", "response": running, "sequence_number": 1},
+    ]
+    data = {"response": running, "input_items": [], "context": [], "events": old,
+            "written_at": time.time() - 120}  # fmt: skip
+    now = time.time()
+    store.insert_response(ResponseRecord("resp_old", "t", "in_progress", data, now, now + 60))
+
+    async def main():
+        other = runner_for(store, FakeEngine([]), orphan_after_s=60)
+        return await collect(other, "resp_old", 0), await collect(other, "resp_old", -1)
+
+    tail, whole = asyncio.run(main())
+    assert whole[:2] == old and tail == whole[1:]
+    assert [e["type"] for e in whole] == [
+        "response.created", "response.in_progress", "response.failed"
+    ]  # fmt: skip
+    check_numbered(whole)
+    assert whole[-1]["response"]["error"]["code"] == "engine_lost"
 
 
 def test_a_refused_foreground_response_is_an_error_and_stores_nothing(store):

@@ -7,6 +7,7 @@ restart is simulated), with the given clock.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -374,6 +375,125 @@ def test_expired_responses_read_as_absent_then_are_purged(store: Store, clock: F
     assert not store.delete_response("t1", "resp_old")
     assert store.purge_expired() == 1
     assert store.get_response("t1", "resp_new") is not None
+
+
+def event(seq: int, kind: str = "response.output_text.delta") -> dict:
+    return {"type": kind, "delta": f"w{seq} ", "sequence_number": seq}
+
+
+def running(rid: str = "resp_1", status: str = "in_progress", **data) -> ResponseRecord:
+    return ResponseRecord(rid, "t1", status, {"response": {"id": rid}, **data}, 1.0, 2e6)
+
+
+def test_response_events_are_appended_and_read_after_a_number(open_backend: Opener) -> None:
+    first = open_backend()
+    first.insert_response(running(status="queued"), [event(0), event(1)])
+    assert first.update_response(running(), {"queued"}, [event(2), event(3)])
+    assert first.update_response(running(), {"in_progress"})  # a heartbeat: no new events
+    done = running(status="completed")
+    assert first.update_response(done, {"in_progress"}, [event(4, "response.completed")])
+    first.close()
+    store = open_backend()  # kept across a restart
+    assert store.get_response_events("t1", "resp_1", -1) == [event(i) for i in range(4)] + [
+        event(4, "response.completed")
+    ]
+    assert store.get_response_events("t1", "resp_1", 2) == [
+        event(3), event(4, "response.completed")
+    ]  # fmt: skip
+    assert store.get_response_events("t1", "resp_1", 4) == []
+    # Events live apart from the record: it holds none.
+    got = store.get_response("t1", "resp_1")
+    assert got is not None and got.status == "completed" and "events" not in got.data
+    assert store.get_response_events("t2", "resp_1", -1) == []
+    assert store.get_response_events("t1", "resp_2", -1) == []
+
+
+def test_a_write_may_carry_many_events(store: Store) -> None:
+    """More events than one SQL statement takes (a record written after a long stall)."""
+    store.insert_response(running(), [event(i) for i in range(450)])
+    assert store.update_response(running(), {"in_progress"}, [event(i) for i in range(450, 901)])
+    assert store.get_response_events("t1", "resp_1", 399) == [event(i) for i in range(400, 901)]
+
+
+def test_an_update_that_writes_nothing_appends_no_events(store: Store) -> None:
+    store.insert_response(running(), [event(0)])
+    # Lost compare-and-set: neither the record nor its events change.
+    assert not store.update_response(running(status="failed"), {"queued"}, [event(1)])
+    # Events numbered by another writer already: the whole update is undone.
+    ended = running(status="cancelled", note="x")
+    assert not store.update_response(ended, {"in_progress"}, [event(0), event(1)])
+    got = store.get_response("t1", "resp_1")
+    assert got is not None and got.status == "in_progress" and "note" not in got.data
+    assert store.get_response_events("t1", "resp_1", -1) == [event(0)]
+    # Another tenant's update of the same id appends nothing.
+    other = replace(running(), tenant="t2")
+    assert not store.update_response(other, {"in_progress"}, [event(1)])
+    assert store.update_response(running(), {"in_progress"}, [event(1)])
+    assert store.get_response_events("t1", "resp_1", 0) == [event(1)]
+
+
+def test_deleting_or_purging_a_response_removes_its_events(store: Store, clock: FakeClock) -> None:
+    store.insert_response(running(), [event(0), event(1)])
+    store.insert_response(running("resp_2"), [event(0)])
+    assert store.delete_response("t1", "resp_1")
+    assert store.get_response_events("t1", "resp_1", -1) == []
+    # A record of the same id (a key's id used again) starts with no events.
+    store.insert_response(running())
+    assert store.get_response_events("t1", "resp_1", -1) == []
+    store.insert_response(replace(running("resp_old"), expires_at=clock.now + 5), [event(0)])
+    clock.now += 6
+    assert store.get_response_events("t1", "resp_old", -1) == []  # expired: absent
+    assert store.purge_expired() == 1  # the record; its events go with it, uncounted
+    store.insert_response(running("resp_old"))
+    assert store.get_response_events("t1", "resp_old", -1) == []
+    assert store.get_response_events("t1", "resp_2", -1) == [event(0)]
+
+
+OLD_RESPONSES = (
+    "CREATE TABLE responses (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, status TEXT NOT NULL,"
+    " data TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,"
+    " expires_at DOUBLE PRECISION NOT NULL)"
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_response_of_the_previous_schema_resumes_from_its_record(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A database written before the events table: it gains the table on open, and a record
+    that kept its events in `data` still reads them, then those appended after them."""
+    legacy = json.dumps({"response": {"id": "r1"}, "events": [event(0), event(1), event(2)]})
+    insert = "INSERT INTO responses VALUES ('r1', 't1', 'in_progress', %s, 1, 9e12)"
+    if backend == "sqlite":
+        import sqlite3
+
+        path = tmp_path / "old.sqlite3"
+        with sqlite3.connect(path) as db:
+            db.execute(OLD_RESPONSES)
+            db.execute(insert.replace("%s", "?"), (legacy,))
+        store: Store = SQLiteStore(path)
+    else:
+        import psycopg
+
+        from serve_app.store.postgres import PostgresStore
+
+        pg_url = request.getfixturevalue("postgres_url")
+        with psycopg.connect(pg_url) as db:
+            db.execute(OLD_RESPONSES)
+            db.execute(insert, (legacy,))
+        store = PostgresStore(pg_url)
+    try:
+        assert store.get_response_events("t1", "r1", 0) == [event(1), event(2)]
+        record = store.get_response("t1", "r1")
+        assert record is not None
+        failed = replace(record, status="failed")
+        assert store.update_response(failed, {"in_progress"}, [event(3, "response.failed")])
+        assert store.get_response_events("t1", "r1", 1) == [
+            event(2), event(3, "response.failed")
+        ]  # fmt: skip
+        assert store.get_response_events("t1", "r1", 2) == [event(3, "response.failed")]
+    finally:
+        store.close()
 
 
 # -------------------------------------------------------------------------- expiry
