@@ -246,9 +246,10 @@ def _listeners(args: argparse.Namespace, config: ServeConfig) -> list[Listener]:
         from_file = getattr(args, field) is None and field in config.model_fields_set
         return f"{field} in {args.config}" if from_file else flag
 
+    reuse = not config.direct_ingress  # a direct-ingress replica binds without SO_REUSEADDR
     return [
-        Listener(config.host, config.port, source("--port", "port")),
-        Listener(config.admin_host, config.admin_port, source("--admin-port", "admin_port")),
+        Listener(config.host, config.port, source("--port", "port"), reuse),
+        Listener(config.admin_host, config.admin_port, source("--admin-port", "admin_port"), reuse),
     ]
 
 

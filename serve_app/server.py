@@ -188,10 +188,11 @@ def run_forever(config: ServeConfig) -> None:
 
 
 def _wait_ports_released(config: ServeConfig, timeout_s: float) -> None:
-    """Return once the server's own ports can be bound again, so "stopped" means a restart on
-    the same ports works. `ray.shutdown()` returns when it has signalled the local cluster's
-    processes, not when they have exited: the replica that owns the socket under direct
-    ingress (or the proxy) can hold the port a moment longer."""
+    """Return once nothing listens on the server's own ports, so "stopped" means a restart
+    on the same ports works (after waiting out TIME_WAIT connections, see `serve_app.ports`).
+    `ray.shutdown()` returns when it has signalled the local cluster's processes, not when
+    they have exited: the replica that owns the socket under direct ingress (or the proxy)
+    can hold the port a moment longer."""
     ports = [(config.host, config.port), (config.admin_host, config.admin_port)]
     deadline = time.monotonic() + timeout_s
     for host, port in ports:

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import psutil
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from serve_app.access.keys import hash_key
+from serve_app.ports import LINGERING, bind_problem, listening
 from tests.backpressure.test_proxy_backpressure import (
     HELD_WITHIN_S,
     _dechunk,
@@ -26,7 +26,7 @@ from tests.backpressure.test_proxy_backpressure import (
     text_and_finish,
     wait_for,
 )
-from tests.server.test_serve_start_stop import SERVE_APP, Output, serve_env
+from tests.server.test_serve_start_stop import SERVE_APP, Output, serve_env, short_ray_dir
 from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(900)]
@@ -43,6 +43,7 @@ class DirectServer:
         self.url = f"http://127.0.0.1:{port}"
         self.admin = f"http://127.0.0.1:{admin_port}"
         self.port = port
+        self.admin_port = admin_port
 
 
 @pytest.fixture(scope="module")
@@ -66,25 +67,26 @@ def direct(model_dirs, tmp_path_factory):
         "generations": {"data_dir": str(tmp / "data")},
     }
     (tmp / "config.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen(
-        [SERVE_APP, "serve", "--config", str(tmp / "config.yaml")],
-        env=serve_env(Path(tmp) / "ray"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    out, err = Output(proc.stdout), Output(proc.stderr)
-    try:
-        out.wait_for("ready", proc, err, timeout_s=600)
-        yield DirectServer(proc, port, admin_port)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with short_ray_dir() as ray_dir:
+        proc = subprocess.Popen(
+            [SERVE_APP, "serve", "--config", str(tmp / "config.yaml")],
+            env=serve_env(ray_dir),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out, err = Output(proc.stdout), Output(proc.stderr)
+        try:
+            out.wait_for("ready", proc, err, timeout_s=600)
+            yield DirectServer(proc, port, admin_port)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def stats(admin_url: str) -> dict:
@@ -102,6 +104,16 @@ def listener_of(port: int) -> str:
         if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
             return " ".join(psutil.Process(conn.pid).cmdline())
     raise AssertionError(f"nothing listens on {port}")
+
+
+def sockets_on(port: int) -> list[str]:
+    """Every TCP socket on `port`, with its state and process, for a failure message."""
+    found = []
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port:
+            owner = psutil.Process(conn.pid).name() if conn.pid else "no process"
+            found.append(f"{conn.status} {conn.laddr} -> {conn.raddr or '-'} ({owner})")
+    return found
 
 
 def test_the_ingress_replica_listens_on_the_port_and_streams_a_chat_in_order(direct):
@@ -212,9 +224,12 @@ def test_a_client_that_stops_reading_is_held_then_resumes_with_its_whole_stream(
     wait_for(lambda: is_idle(direct.admin), 5)
 
 
-def test_ctrl_c_stops_the_server_and_frees_its_port(direct):
+def test_ctrl_c_stops_the_server_and_frees_its_ports(direct):
+    """Nothing listens on either port once it says stopped. Connections the server closed
+    first may hold a port in TIME_WAIT for a minute (Serve's direct-ingress replica binds
+    without SO_REUSEADDR); a restart waits for those (tests/server/test_serve_start_stop.py)."""
     direct.proc.send_signal(signal.SIGINT)
     assert direct.proc.wait(timeout=120) == 0
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", direct.port))
+    for port in (direct.port, direct.admin_port):
+        assert listening(port) is False, sockets_on(port)
+        assert bind_problem("127.0.0.1", port, reuse_addr=False) in (None, LINGERING)

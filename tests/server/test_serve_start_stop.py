@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serve_app import ports
 from serve_app.cli import main
+from serve_app.ports import LINGERING, Listener, PortInUse, bind_problem, check_free, listening
 from tests.support.ports import free_port
 
 SERVE_APP = str(Path(sys.executable).with_name("serve-app"))
@@ -42,9 +46,22 @@ def held_port() -> Iterator[int]:
 def serve_env(ray_dir: Path | None = None) -> dict[str, str]:
     """The operator's environment: no Ray to join, Ray's own auth default."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    if ray_dir is not None:  # NOTE: Ray's socket paths under it must stay short
+    if ray_dir is not None:
         env["RAY_TMPDIR"] = str(ray_dir)
     return env
+
+
+@contextmanager
+def short_ray_dir() -> Iterator[Path]:
+    """A folder for a server's own Ray, removed afterwards. Its path is short on purpose: Ray
+    puts Unix sockets three folders deep under it (ray/session_<time>_<pid>/sockets/...), an
+    AF_UNIX path has at most 107 bytes, and pytest's tmp_path (pytest-of-<user>/pytest-<n>/...)
+    leaves too little room once n has three digits."""
+    path = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------ taken ports
@@ -64,6 +81,50 @@ def test_a_taken_port_is_one_line_and_exit_2_before_ray_starts(model_dirs, tmp_p
     assert done.stderr == f"serve-app serve: error: port {taken} is in use (--port)\n"
     assert done.stdout == ""
     assert not (tmp_path / "ray").exists()  # no Ray was started
+
+
+@contextmanager
+def lingering_port() -> Iterator[int]:
+    """A port nothing listens on any more, held by one connection its server closed first
+    (TIME_WAIT), as a direct-ingress replica leaves it: bound without SO_REUSEADDR."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = server.accept()
+            accepted.close()  # the server closes first
+            assert client.recv(1) == b""
+    yield port
+
+
+def test_a_port_held_only_by_closed_connections_is_waited_for_then_named(capsys):
+    with lingering_port() as port:
+        assert listening(port) is False
+        assert bind_problem("127.0.0.1", port, reuse_addr=False) == LINGERING
+        said: list[str] = []
+        listener = Listener("127.0.0.1", port, "--port", reuse_addr=False)
+        with pytest.raises(PortInUse) as refused:
+            check_free([listener], linger_wait_s=0.5, say=said.append)
+    assert str(refused.value) == f"port {port} {LINGERING} (--port)"
+    assert said == [f"port {port} {LINGERING}: waiting for it (at most 0 s)"]
+
+
+def test_a_start_waits_out_a_lingering_port_then_goes_on(monkeypatch):
+    answers = iter([LINGERING, LINGERING, None])
+    monkeypatch.setattr(ports, "bind_problem", lambda *_: next(answers))
+    said: list[str] = []
+    ports.check_free([Listener("127.0.0.1", 8000, "--port")], say=said.append)
+    assert said == [f"port 8000 {LINGERING}: waiting for it (at most 65 s)"]
+    assert next(answers, "drained") == "drained"
+
+
+def test_a_port_someone_listens_on_is_in_use_at_once():
+    with held_port() as taken:
+        said: list[str] = []
+        with pytest.raises(PortInUse, match=f"port {taken} is in use"):
+            check_free([Listener("127.0.0.1", taken, "--port", reuse_addr=False)], say=said.append)
+    assert said == []
 
 
 def test_a_taken_admin_port_is_named_by_its_flag(model_dirs, capsys):
