@@ -13,6 +13,7 @@ from serve_app.checkpoints.prompt_encoding import TOKENIZATION_RULES
 from serve_app.config.options import ServeConfig
 from serve_app.config.profiles import generations_info
 from serve_app.errors.fault_injection import fault_injection_info
+from serve_app.generations.conversations import conversations_info
 from serve_app.openai.request_ids import MAX_ID_CHARS
 from serve_app.parsers.chat_output import DEFAULT_TOOL_PARSER
 from serve_app.parsers.reasoning import ThinkReasoningParser
@@ -133,6 +134,7 @@ def server_info(config: ServeConfig, identity: dict[str, Any]) -> dict[str, Any]
         },
         "generations": generations_info(config.generations, config.store),
         "responses": responses_info(config.responses.retention_s),
+        "conversations": conversations_info(config.generations.retention_s),
         "determinism": (
             "a per-request seed gives the same tokens regardless of batch mates on CPU fp32; "
             "best effort on GPU in bf16"

@@ -33,6 +33,18 @@ from serve_app.resources.item_pages import item_list, item_page
 from serve_app.store.base import ConversationRecord, EditOutcome, Store
 
 PARAM = "conversation_id"
+_BASE = "/v1/conversations/{conversation_id}"
+# (method, path, handler of ConversationsAPI)
+ROUTES = (
+    ("POST", "/v1/conversations", "create"),
+    ("GET", _BASE, "get"),
+    ("POST", _BASE, "update"),
+    ("DELETE", _BASE, "delete"),
+    ("GET", _BASE + "/items", "list_items"),
+    ("POST", _BASE + "/items", "create_items"),
+    ("GET", _BASE + "/items/{item_id}", "get_item"),
+    ("DELETE", _BASE + "/items/{item_id}", "delete_item"),
+)
 
 
 def conversation_json(record: ConversationRecord) -> dict[str, Any]:
@@ -49,6 +61,28 @@ def conversation_json(record: ConversationRecord) -> dict[str, Any]:
     }
 
 
+def conversations_info(retention_s: float) -> dict[str, Any]:
+    """What `/v1/server_info` says of `/v1/conversations`."""
+    return {
+        "routes": [
+            f"{route.methods and sorted(route.methods - {'HEAD'})[0]} {route.path}"
+            for route in ConversationsAPI(None, None).routes()
+        ],  # type: ignore[arg-type]
+        "shape": "OpenAI's Conversations API; revision, pending_generation and expires_at "
+        "are extensions",
+        "items": "message items (user, assistant); a response appends its function calls, "
+        "tool outputs and reasoning as items too",
+        "revision": "every change to the items bumps revision; expected_revision on an item "
+        "edit or a generation's turn is 409 stale_revision when it moved on",
+        "used_by": {
+            "/v1/generations": "conversation: {id, expected_revision}: claims the next turn",
+            "/v1/responses": "conversation: id or {id}: appends when the response ends",
+        },
+        "retention_s": retention_s,
+        "other_tenants_conversations": "404 conversation_not_found, never revealed",
+    }
+
+
 class ConversationsAPI:
     def __init__(self, store: Store, options: GenerationOptions, admit: Any = None) -> None:
         self.store = store
@@ -56,16 +90,9 @@ class ConversationsAPI:
         self.admit = admit
 
     def routes(self) -> list[Route]:
-        base = "/v1/conversations/{conversation_id}"
         return [
-            Route("/v1/conversations", self.create, methods=["POST"]),
-            Route(base, self.get, methods=["GET"]),
-            Route(base, self.update, methods=["POST"]),
-            Route(base, self.delete, methods=["DELETE"]),
-            Route(base + "/items", self.list_items, methods=["GET"]),
-            Route(base + "/items", self.create_items, methods=["POST"]),
-            Route(base + "/items/{item_id}", self.get_item, methods=["GET"]),
-            Route(base + "/items/{item_id}", self.delete_item, methods=["DELETE"]),
+            Route(path, getattr(self, handler), methods=[method])
+            for method, path, handler in ROUTES
         ]
 
     @property

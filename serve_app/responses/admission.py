@@ -24,6 +24,7 @@ from serve_app.config.options import ServeConfig
 from serve_app.parsers.chat_output import PROMPT_TAIL, ParseOptions, chat_parse_options
 from serve_app.protocol import ChatCompletionRequest, parse_request
 from serve_app.protocol.deadlines import client_timeout_s
+from serve_app.resources.conversations import read_history, stale_revision
 from serve_app.responses.output import new_item_id
 from serve_app.responses.protocol import (
     FunctionCallItem,
@@ -34,6 +35,7 @@ from serve_app.responses.protocol import (
     ResponseCreate,
     chat_body,
     chat_messages,
+    parse_item,
     renamed,
 )
 from serve_app.store.base import Store
@@ -106,6 +108,8 @@ class AdmittedResponse:
     # the tokens it used, it settles the key's budget reservation (as generations do).
     on_end: Callable[[int], None] | None = None
     started: float = 0.0
+    # The conversation whose items came before the input; it gets this response's items.
+    conversation_id: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -158,6 +162,8 @@ class ResponseAdmission:
                     "(poll GET /v1/responses/{id}), then send this again.",
                 )
             history = previous.data["context"]
+        if req.conversation_id is not None:
+            history = await conversation_history(self.store, principal.tenant, req.conversation_id)
         context = history + chat_messages(items)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         chat = self._chat_request(req, system + context)
@@ -223,6 +229,7 @@ class ResponseAdmission:
             deadline=deadline,
             started=time.monotonic(),
             on_end=on_end,
+            conversation_id=req.conversation_id,
         )
 
     def _chat_request(self, req: ResponseCreate, messages: list[dict[str, Any]]) -> Any:
@@ -244,6 +251,18 @@ class ResponseAdmission:
             if found is None:
                 raise
             raise renamed(found) from None
+
+
+async def conversation_history(store: Store, tenant: str, conversation_id: str) -> list[Any]:
+    """A conversation's items as the chat turns a response continues: 404
+    `conversation_not_found`, 409 `stale_revision` while a generation holds its next turn."""
+    history = await read_history(store, tenant, conversation_id, "conversation")
+    record = history.conversation
+    if record.pending_generation is not None:
+        raise stale_revision(record, None)
+    return chat_messages(
+        [parse_item(item, f"conversation.items.{i}") for i, item in enumerate(record.items)]
+    )
 
 
 def listed_item(item: InputItem) -> dict[str, Any]:

@@ -19,7 +19,6 @@ MAX_METADATA_KEYS = 16
 # Known OpenAI fields this server does not support: refused by name unless the value
 # changes nothing (null, false, empty).
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "conversation": "the OpenAI Conversations API is not supported on /v1/responses",
     "include": "no additional output data (logprobs, encrypted reasoning) is available",
     "prompt": "prompt templates are not supported",
     "top_logprobs": "logprobs are not supported on /v1/responses",
@@ -154,6 +153,10 @@ class ReasoningOptions(Strict):
     generate_summary: None = None
 
 
+class ConversationRef(Strict):
+    id: str = Field(min_length=1)
+
+
 class ResponseCreate(Strict):
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]] = Field(min_length=1)
@@ -171,8 +174,17 @@ class ResponseCreate(Strict):
     user: str | None = None
     store: bool = True
     previous_response_id: str | None = Field(None, min_length=1)
+    # A conversation of /v1/conversations: its items come before the input, and the input
+    # and output items are appended to it when the response completes.
+    conversation: str | ConversationRef | None = None
     stream: bool | None = None
     background: bool | None = None
+
+    @property
+    def conversation_id(self) -> str | None:
+        if isinstance(self.conversation, ConversationRef):
+            return self.conversation.id
+        return self.conversation
 
     def items(self) -> list[InputItem]:
         """The input as typed items (a string is one user message)."""
@@ -196,6 +208,20 @@ def parse_body(body: bytes) -> ResponseCreate:
     except ValidationError as exc:
         raise from_validation_error(exc, data) from None
     check_metadata(req.metadata)
+    if req.conversation_id is not None and req.previous_response_id is not None:
+        raise errors.invalid_request(
+            "Name either a conversation or a previous_response_id, not both: each is the "
+            "context the input continues.",
+            "conversation",
+        )
+    if req.conversation_id == "":
+        raise errors.invalid_request("Invalid 'conversation': an empty id.", "conversation")
+    if req.conversation_id is not None and not req.store:
+        raise errors.invalid_request(
+            "A response in a conversation must be stored (store: true): its items are added "
+            "to the conversation.",
+            "store",
+        )
     if req.background and not req.store:
         raise errors.invalid_request(
             "A background response must be stored (store: true): it is polled, cancelled and "
@@ -434,6 +460,10 @@ def responses_info(retention_s: float) -> dict[str, Any]:
         "does not cancel it; store: false responses are cancelled with their request",
         "idempotency_key": "Idempotency-Key on POST (store: true) replays the recorded "
         "response as JSON, never a new run or stream; another body is 409",
+        "conversation": "conversation (an id of /v1/conversations, or {id}) puts its items "
+        "before the input; a completed or incomplete response appends its input and output "
+        "items (one revision); 409 stale_revision while a generation holds the next turn; "
+        "not with previous_response_id or store: false",
         "replicas": "any ingress replica reads, chains, cancels and resumes a stored response; "
         "x-served-by names the replica that answered",
     }

@@ -82,6 +82,7 @@ class ResponsesAPI:
             self._first,
             self.options.retention_s,
             config.generations.orphan_after_s,
+            config.generations.retention_s,
         )
         self._upkeep: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # no loop yet: the first request starts it
@@ -334,6 +335,9 @@ class ResponsesAPI:
             "output": json.loads(json.dumps(output)),
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
+            "conversation": (
+                {"id": admitted.conversation_id} if admitted.conversation_id is not None else None
+            ),
             "reasoning": {"effort": None, "summary": None},
             "store": req.store,
             "temperature": sampling.temperature,

@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from serve_app import errors
+from serve_app.resources.conversations import append_items
 from serve_app.resources.owned import OwnedTasks
 from serve_app.responses.admission import AdmittedResponse
 from serve_app.responses.output import Event, context_messages, usage
@@ -118,8 +119,10 @@ class ResponseRunner:
         first_output: Callable[[Any], Any],  # async: the first output, or the API error
         retention_s: float,
         orphan_after_s: float,
+        conversation_retention_s: float,
     ) -> None:
         self.store = store
+        self.conversation_retention_s = conversation_retention_s
         self.engine = engine
         self.base_of = base_of
         self.first_output = first_output
@@ -286,6 +289,7 @@ class ResponseRunner:
     async def _finish(self, live: LiveResponse, final: dict[str, Any]) -> dict[str, Any] | None:
         """Store the terminal event with the response, then publish it; None when this
         run's ending was stored, else the ending the store already held."""
+        final = await self._add_to_conversation(live, final)
         terminal = {"type": f"response.{final['status']}", "response": final}
         terminal["sequence_number"] = len(live.events)
         stored: dict[str, Any] | None = None
@@ -300,6 +304,29 @@ class ResponseRunner:
         if not live.done.done():
             live.done.set_result(stored or final)
         return stored
+
+    async def _add_to_conversation(
+        self, live: LiveResponse, final: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A response in a conversation that completed (or stopped at its length) appends
+        its input and output items there, before its terminal event is stored: a client that
+        sees it ended reads them in the conversation. When the conversation refuses them
+        (deleted, or a generation holds its next turn), the response fails saying so; its
+        output is still in the response."""
+        adm = live.admitted
+        if adm.conversation_id is None or final["status"] not in ("completed", "incomplete"):
+            return final
+        items = adm.input_items + final["output"]
+        try:
+            await append_items(
+                self.store, adm.tenant, adm.conversation_id, items,
+                expected_revision=None, retention_s=self.conversation_retention_s,
+            )  # fmt: skip
+        except errors.APIError as exc:
+            message = f"The items were not added to the conversation: {exc.message}"
+            error = {"code": exc.code, "message": message}
+            return {**final, "status": "failed", "error": error, "incomplete_details": None}
+        return final
 
     # ---------------------------------------------------------------- the record
 

@@ -274,6 +274,42 @@ def test_a_forced_call_answered_through_previous_response_id(client: openai.Open
     assert alone.usage.input_tokens < second.usage.input_tokens
 
 
+def test_a_response_in_a_conversation_continues_its_items_and_appends_its_own(
+    client: openai.OpenAI, model_id: str, serve_url: str
+):
+    said = [
+        {"type": "message", "role": "user", "content": "My name is Ada and I like tea."},
+        {"type": "message", "role": "assistant", "content": "Hello Ada."},
+    ]
+    conversation = client.conversations.create(items=said)
+    question = "What is my name?"
+    alone = create(client, model_id, input=question)
+    first = create(client, model_id, input=question, conversation=conversation.id)
+    assert first.conversation.id == conversation.id and alone.conversation is None
+    check_ending(first, 8)
+    # The conversation's items are in the prompt, before the input.
+    assert first.usage.input_tokens > alone.usage.input_tokens + 8
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [(i.type, getattr(i, "role", None)) for i in items[:3]] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user")
+    ]  # fmt: skip
+    assert items[2].content[0].text == question
+    assert [i.id for i in items[3:]] == [item.id for item in first.output]
+    # One revision for the turn (our extension on the conversation object).
+    url = f"{serve_url}/v1/conversations/{conversation.id}"
+    assert httpx.get(url, timeout=30).json()["revision"] == 1
+    # The next response in it reads the turn that was added ({"id": ...} names it too).
+    second = create(client, model_id, input=question, conversation={"id": conversation.id})
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert httpx.get(url, timeout=30).json()["revision"] == 2
+    # A conversation that is gone is named.
+    client.conversations.delete(conversation.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        create(client, model_id, input=question, conversation=conversation.id)
+    assert gone.value.body["code"] == "conversation_not_found"
+    assert gone.value.body["param"] == "conversation"
+
+
 def test_tool_choice_none_never_calls(client: openai.OpenAI, model_id: str):
     r = create(client, model_id, tools=[WEATHER], tool_choice="none", max_output_tokens=16)
     assert all(item.type != "function_call" for item in r.output)
@@ -305,6 +341,10 @@ def test_tool_choice_none_never_calls(client: openai.OpenAI, model_id: str):
         ({"previous_response_id": "resp_never"}, 404, "response_not_found",
          "previous_response_id"),
         ({"model": "no-such-model"}, 404, "model_not_found", "model"),
+        ({"conversation": "conv_x", "previous_response_id": "resp_x"}, 400, "invalid_request",
+         "conversation"),
+        ({"conversation": "conv_x", "store": False}, 400, "invalid_request", "store"),
+        ({"conversation": {"id": "conv_never"}}, 404, "conversation_not_found", "conversation"),
         ({"max_output_tokens": 10**6}, 400, "context_length_exceeded", "input"),
     ],
 )  # fmt: skip
@@ -348,6 +388,20 @@ def test_server_info_lists_the_family(serve_url: str, model_id: str):
     assert {"previous_response_id", "tools", "text", "store"} <= set(family["supported_fields"])
     assert family["retention_s"] > 0 and "background" in family["supported_fields"]
     assert "background" not in family["unsupported_fields"]
+    assert "conversation" in family["supported_fields"]
+    assert "conversation" not in family["unsupported_fields"]
     assert {"POST /v1/responses", "POST /v1/responses/{id}/cancel"} <= set(family["routes"])
+    # The conversations it continues are described too, route by route as /openapi.json has them.
+    conversations = info["conversations"]
+    paths = httpx.get(f"{serve_url}/openapi.json", timeout=30).json()["paths"]
+    listed = {tuple(route.split(" ", 1)) for route in conversations["routes"]}
+    documented = {
+        (method.upper(), path)
+        for path, ops in paths.items()
+        if path.startswith("/v1/conversations")
+        for method in ops
+    }
+    assert listed == documented and len(listed) == 8
+    assert set(conversations["used_by"]) == {"/v1/generations", "/v1/responses"}
     rows = {row["cause"]: row["responses"] for row in info["outcomes"]}
     assert rows["max tokens"] == {"status": "incomplete", "reason": "max_output_tokens"}

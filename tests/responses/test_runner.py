@@ -22,7 +22,7 @@ from serve_app.parsers.chat_output import ParseOptions
 from serve_app.responses.admission import AdmittedResponse
 from serve_app.responses.protocol import parse_body
 from serve_app.responses.runner import FLUSH_EVENTS, ResponseRunner
-from serve_app.store.base import ResponseRecord
+from serve_app.store.base import ConversationRecord, ResponseRecord
 from serve_app.store.sqlite import SQLiteStore
 
 PROMPT = [1, 2, 3, 4]
@@ -129,7 +129,7 @@ def stored_events(store: SQLiteStore, rid: str = "resp_1") -> list[dict]:
 
 
 def runner_for(store: SQLiteStore, engine: FakeEngine, orphan_after_s: float = 60.0):
-    return ResponseRunner(store, engine, base_of, first_output, 3600.0, orphan_after_s)
+    return ResponseRunner(store, engine, base_of, first_output, 3600.0, orphan_after_s, 3600.0)
 
 
 async def collect(runner: ResponseRunner, rid: str, after: int = -1, tenant: str = "t"):
@@ -345,3 +345,67 @@ def test_the_keys_reservation_is_settled_once_to_what_the_response_used(store):
 
     final = asyncio.run(main())
     assert settled == [final["usage"]["total_tokens"]] == [len(PROMPT) + 3]
+
+
+def in_conversation(adm: AdmittedResponse, conversation_id: str) -> AdmittedResponse:
+    adm.conversation_id = conversation_id
+    adm.input_items = [{"id": "msg_in", "type": "message", "role": "user", "status": "completed",
+                        "content": [{"type": "input_text", "text": "hi"}]}]  # fmt: skip
+    return adm
+
+
+def a_conversation(store: SQLiteStore, conversation_id: str = "conv_1") -> ConversationRecord:
+    now = time.time()
+    record = ConversationRecord(conversation_id, "t", 0, [], now, now, now + 3600)
+    store.create_conversation(record)
+    return record
+
+
+def test_a_response_in_a_conversation_appends_its_items_before_it_ends(store):
+    a_conversation(store)
+
+    async def main():
+        runner = runner_for(store, FakeEngine(["a ", "b "]))
+        live = await runner.start(in_conversation(admitted(), "conv_1"))
+        await asyncio.wait([live.done])
+        # Appended before the terminal event was stored and sent.
+        return store.get_conversation("t", "conv_1"), live.done.result()
+
+    conversation, final = asyncio.run(main())
+    assert final["status"] == "completed"
+    assert conversation.revision == 1  # one revision for the whole turn
+    assert [item["id"] for item in conversation.items] == [
+        "msg_in", *(item["id"] for item in final["output"])
+    ]  # fmt: skip
+    assert conversation.items[1:] == final["output"]
+
+
+def test_a_conversation_deleted_while_it_ran_fails_the_response_with_its_output(store):
+    a_conversation(store)
+
+    async def main():
+        runner = runner_for(store, FakeEngine(["a ", "b ", "c "], delay_s=0.05))
+        live = await runner.start(in_conversation(admitted(), "conv_1"))
+        assert store.delete_conversation("t", "conv_1")
+        await asyncio.wait([live.done])
+        return live.done.result()
+
+    final = asyncio.run(main())
+    assert final["status"] == "failed"
+    assert final["error"]["code"] == "conversation_not_found"
+    assert "not added to the conversation" in final["error"]["message"]
+    assert final["output"] and final["usage"]["output_tokens"] == 3
+    assert store.get_response("t", "resp_1").status == "failed"
+
+
+def test_a_cancelled_response_adds_nothing_to_its_conversation(store):
+    a_conversation(store)
+
+    async def main():
+        runner = runner_for(store, FakeEngine(["a "] * 100, delay_s=0.01))
+        await runner.start(in_conversation(admitted(), "conv_1"))
+        await asyncio.sleep(0.1)
+        return await runner.cancel("t", "resp_1")
+
+    assert asyncio.run(main())["status"] == "cancelled"
+    assert store.get_conversation("t", "conv_1").revision == 0
