@@ -123,9 +123,14 @@ def kinds(report: DiffReport, classification: Classification) -> set[tuple[str, 
     return {(d.case, d.kind) for d in report.differences if d.classification == classification}
 
 
-def test_a_second_run_through_an_unchanged_proxy_has_no_difference(serve_url, baseline):
+def test_a_second_run_through_an_unchanged_proxy_differs_only_numerically(serve_url, baseline):
+    """The same server twice: the same statuses, shapes, events and tokens. Logprobs may move
+    in the last digits (a request's batch mates differ from run to run; seeded tokens do not
+    change), which the diff calls numerical variation."""
     report = diff(baseline, run_changed(serve_url, Rewrite()))
-    assert report.differences == [], [d.as_dict() for d in report.differences]
+    numerical = Classification.NUMERICAL
+    assert [d.as_dict() for d in report.differences if d.classification != numerical] == []
+    assert {d.kind for d in report.differences} <= {"logprobs"}
 
 
 NEW_TEMPLATE_HASH = hashlib.sha256(b"a template with a system turn").hexdigest()
@@ -232,7 +237,7 @@ def test_an_added_field_declared_in_the_changes_file_is_intended(serve_url, base
     )
     report = diff(baseline, new, declared, tmp_path)
     assert not report.has_regression, [d.as_dict() for d in report.differences]
-    added = {d.subject for d in report.differences}
+    added = {d.subject for d in report.differences if d.classification != Classification.NUMERICAL}
     assert added == {"choices[].message.annotations"}
     assert kinds(report, Classification.INTENDED) >= {("logprobs-chat", "field_added")}
     undeclared = diff(baseline, new)

@@ -36,6 +36,9 @@ def crash_url(serve_url, ray_session, model_dirs, tmp_path_factory):
         MODEL,
         tmp_path_factory.mktemp("crash-data"),
         generations={"profiles": (profile,)},
+        # A slow model (not a slow machine): long outputs are still running when the engine
+        # is killed, however fast the machine.
+        engine={"step_delay_s": STEP_DELAY_S},
     )
     url = f"{serve_url}{PREFIX}"
     DEPLOYED["config"] = config
@@ -47,6 +50,7 @@ def crash_url(serve_url, ray_session, model_dirs, tmp_path_factory):
 
 
 DEPLOYED: dict = {}
+STEP_DELAY_S = 0.005
 
 
 def deploy(config, url: str) -> None:

@@ -167,10 +167,13 @@ def body_too_large(s: Session, record: CaseRecord) -> None:
 
 @case(
     "error-deadline-too-short",
-    "a deadline no idle server could meet (X-Request-Timeout-Ms: 1) is 400 deadline_too_short",
+    "a deadline no idle server could meet (X-Request-Timeout-Ms: 1, a 300-word prompt) is "
+    "400 deadline_too_short",
 )
 def deadline_too_short(s: Session, record: CaseRecord) -> None:
-    body = completion_body(s, "hi", max_tokens=8)
+    # A prompt long enough that its prefill alone takes more than 1 ms on any machine (a
+    # short one may not, with a small model on a fast CPU).
+    body = completion_body(s, "hi " * 300, max_tokens=8)
     answer = raw_post(s, record, "request", COMPLETIONS, body, {"X-Request-Timeout-Ms": "1"})
     _accepted(record, answer, "the server served a 1 ms deadline (X-Request-Timeout-Ms ignored?)")
     facts = expect_error(record, "error", answer, 400, ("deadline_too_short",))
