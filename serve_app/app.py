@@ -20,6 +20,7 @@ from serve_app.ingress import Ingress
 from serve_app.metrics import record_grammar_compile
 from serve_app.ops.admin_app import AdminServer
 from serve_app.ops.stats import HEAD_ONLY
+from serve_app.responses.service import ResponseRunnerService
 from serve_app.workers.engine import EngineService, build_model_config
 from serve_app.workers.tokenizer import TokenizerService
 
@@ -111,6 +112,19 @@ def probe_grammar_backend(config: ServeConfig) -> dict[str, Any]:
     return info
 
 
+class ResponsesReplica(ResponseRunnerService):
+    """The responses runner as a Serve replica. As in the ingress, the engine handle arrives
+    with the options of the process that built the graph; the data plane is this replica's."""
+
+    def __init__(
+        self, config: ServeConfig, engine: Any, grammar: Any, identity: dict[str, Any]
+    ) -> None:
+        by_reference = not ray_env.grpc_data_plane()
+        engine = engine.options(_by_reference=by_reference)
+        # A compile's result goes to the engine as an object ref: always by reference.
+        super().__init__(config, engine, grammar.options(_by_reference=True), identity)
+
+
 def admin_deployment(config: ServeConfig) -> Application:
     """The admin API as one replica of the app: it comes up with every deploy path and goes
     with the app. On the head, as the proxy: a loopback bind must be the head's loopback."""
@@ -167,13 +181,23 @@ def build_app(config: ServeConfig, identity: dict[str, Any] | None = None) -> Ap
         **engine_placement(config),
     )
     engine = serve.deployment(EngineService, **engine_options).bind(config)
+    # Stored /v1/responses run here, not in the ingress replica that accepted them: they
+    # outlive it (serve_app/responses/service.py). One replica: every live response in one
+    # process, followed from memory by any ingress replica.
+    responses = serve.deployment(
+        ResponsesReplica,
+        name="responses",
+        num_replicas=1,
+        max_ongoing_requests=ENGINE_MAX_ONGOING,
+        ray_actor_options=cpu_actor_options(config),
+    ).bind(config, engine, grammar, identity)
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name="ingress",
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=ENGINE_MAX_ONGOING,
         ray_actor_options=cpu_actor_options(config),
-    ).bind(config, tokenizer, grammar, engine, identity, admin_deployment(config))
+    ).bind(config, tokenizer, grammar, engine, identity, admin_deployment(config), responses)
     return ingress
 
 

@@ -57,6 +57,7 @@ class Ingress:
         engine_handle: Any,
         identity: dict[str, Any],
         admin_handle: Any = None,
+        responses_handle: Any = None,
     ):
         # Under serve run / serve deploy the proxy's address is Serve's, not ServeConfig's.
         refuse_open_public_bind(config, proxy_host())
@@ -89,6 +90,7 @@ class Ingress:
             identity,
             self.admit,
             store=self.generations.store,
+            runner=responses_handle,
         )
         self._engine = engine_handle
         # Serve's proxy answers /-/routes itself: it checks keys against what this registers.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -141,6 +142,11 @@ class Limiter:
         """Settle a `reserve_detached` reservation to its measured tokens (fire and forget)."""
         self._settle(key_id, reservation_id, tokens)
 
+    def settlement(self, key_id: str | None, reservation_id: str) -> Callable[[int], None]:
+        """`settle_detached` of one reservation as a call another process can make (work
+        handed to another deployment settles there): it names the ledger, not this limiter."""
+        return functools.partial(settle_in_ledger, self.app_id, key_id, reservation_id)
+
     def _settle(self, key_id: str | None, reservation_id: str, tokens: int) -> Any:
         """Submit the settlement; its ObjectRef, or None when the ledger is unreachable."""
         try:
@@ -172,3 +178,12 @@ async def reserve_budget(request: Any, req: Any, prompts: list[list[int]], max_t
     if limiter is not None:
         max_new = max_tokens * (req.n or 1) * len(prompts)
         await limiter.reserve(principal_of(request), sum(len(p) for p in prompts), max_new)
+
+
+def settle_in_ledger(app_id: str, key_id: str | None, reservation_id: str, tokens: int) -> None:
+    """Settle a detached reservation from any process of the app (fire and forget)."""
+    try:
+        ledger = get_or_create(UsageLedger, ledger_name(app_id), LEDGER_NAMESPACE)
+        ledger.settle.remote(key_id, reservation_id, tokens)
+    except Exception:  # noqa: BLE001 (a lost ledger forgets its reservations anyway)
+        logger.warning("could not settle a reservation: ledger unavailable")

@@ -21,6 +21,7 @@ from serve_app.access.output_budget import BudgetRules, output_budget, server_an
 from serve_app.access.prefix_scope import prefix_namespace
 from serve_app.access.static_limits import check_prompt_tokens, check_request
 from serve_app.config.options import ServeConfig
+from serve_app.grammar.spec import GrammarSpec
 from serve_app.parsers.chat_output import PROMPT_TAIL, ParseOptions, chat_parse_options
 from serve_app.protocol import ChatCompletionRequest, parse_request
 from serve_app.protocol.deadlines import client_timeout_s
@@ -39,7 +40,7 @@ from serve_app.responses.protocol import (
     renamed,
 )
 from serve_app.store.base import Store
-from serve_app.workers.constraint import start_grammar
+from serve_app.workers.constraint import compile_grammar, grammar_spec
 
 # The Responses API's wording of an output-budget refusal: OpenAI's 400, naming the input
 # that overflows the context (truncation is "disabled": nothing is cut).
@@ -69,12 +70,7 @@ async def reserve_detached(
     reservation_id = await limiter.reserve_detached(principal, num_prompt_tokens, max_tokens)
     if reservation_id is None:
         return None
-    key_id = principal.key_id
-
-    def settle(num_tokens: int) -> None:
-        limiter.settle_detached(key_id, reservation_id, num_tokens)
-
-    return settle
+    return limiter.settlement(principal.key_id, reservation_id)
 
 
 def response_not_found(response_id: str, param: str | None = None) -> errors.APIError:
@@ -110,6 +106,8 @@ class AdmittedResponse:
     started: float = 0.0
     # The conversation whose items came before the input; it gets this response's items.
     conversation_id: str | None = None
+    # The constraint the runner compiles for `engine_request.grammar` (stored responses).
+    grammar_spec: GrammarSpec | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -193,15 +191,14 @@ class ResponseAdmission:
         tail = self.texts.decode(prompt_ids[-PROMPT_TAIL:], skip_special_tokens=False)
         parse = chat_parse_options(chat, tail)
         try:
-            grammar = await start_grammar(
-                chat,
-                parse,
-                identity=self.identity,
-                options=self.config.grammar,
-                compiler=self.grammar,
-            )
+            spec = grammar_spec(chat, parse, identity=self.identity, options=self.config.grammar)
         except errors.APIError as exc:
             raise renamed(exc) from None
+        # A stored response's grammar is compiled by the runner that runs it (it owns the
+        # result, which would die with this replica); a store: false one's here.
+        grammar = None
+        if spec is not None and not req.store:
+            grammar = await compile_grammar(self.grammar, spec)
         timeout_s = client_timeout_s(request, None)
         response_id = new_response_id()
         engine_request = EngineRequest(
@@ -230,6 +227,7 @@ class ResponseAdmission:
             started=time.monotonic(),
             on_end=on_end,
             conversation_id=req.conversation_id,
+            grammar_spec=spec if req.store else None,
         )
 
     def _chat_request(self, req: ResponseCreate, messages: list[dict[str, Any]]) -> Any:

@@ -34,15 +34,15 @@ from actors.outputs import RequestOutput
 from serve_app import errors
 from serve_app.access.keys import principal_of
 from serve_app.config.options import ServeConfig
-from serve_app.protocol.deadlines import HEADER_PARAM
 from serve_app.resources.idempotency import HEADER as IDEMPOTENCY_HEADER
 from serve_app.resources.idempotency import REPLAYED_HEADER, idempotency_key, key_reused
 from serve_app.resources.item_pages import item_page
 from serve_app.responses.admission import AdmittedResponse, ResponseAdmission, response_not_found
+from serve_app.responses.objects import first_output, object_builder
 from serve_app.responses.output import EventNumbers, context_messages
-from serve_app.responses.protocol import parse_body, renamed
+from serve_app.responses.protocol import parse_body
 from serve_app.responses.run import ResponseRun
-from serve_app.responses.runner import ResponseRunner
+from serve_app.responses.service import ResponseRunnerService, RunnerClient
 from serve_app.store import open_store
 from serve_app.store.base import ResponseRecord
 
@@ -65,25 +65,25 @@ class ResponsesAPI:
         identity: dict[str, Any],
         admit: Any = None,
         store: Any = None,
+        runner: Any = None,
     ) -> None:
         self.config = config
         self.options = config.responses
         self.identity = identity
         self.admit = admit
-        self.engine = engine.options(stream=True)
+        self.engine = engine.options(stream=True)  # store: false responses run here
         # One store per process: a second SQLite connection on the same file in this process
         # hid rows other processes committed from the first one's reads.
         self.store = store or open_store(config.store, config.generations.data_dir)
         self.admission = ResponseAdmission(config, identity, tokenizer, grammar, self.store)
-        self.runner = ResponseRunner(
-            self.store,
-            self.engine,
-            self._object_of,
-            self._first,
-            self.options.retention_s,
-            config.generations.orphan_after_s,
-            config.generations.retention_s,
-        )
+        self.object_of = object_builder(identity)
+        # Stored responses run in the runner deployment (`runner`, its handle), so they
+        # outlive this replica; without one (an ingress built alone), in this process.
+        if runner is None:
+            local = ResponseRunnerService(config, engine, grammar, identity, store=self.store)
+            self.runner = RunnerClient(local=local)
+        else:
+            self.runner = RunnerClient(handle=runner)
         self._upkeep: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # no loop yet: the first request starts it
             self.start_upkeep()
@@ -131,11 +131,11 @@ class ResponsesAPI:
             return await self._run_stored(admitted)
         gen = self.engine.generate.remote(admitted.engine_request)
         try:
-            first = await self._first(gen)
+            first = await first_output(gen)
         except BaseException:
             gen.cancel()
             raise
-        run = ResponseRun(admitted, self._object_of(admitted), self._save)
+        run = ResponseRun(admitted, self.object_of(admitted), self._save)
         if req.stream:
             return StreamingResponse(
                 self._sse(run, first, gen),
@@ -221,18 +221,21 @@ class ResponsesAPI:
 
     async def _run_stored(self, admitted: AdmittedResponse) -> Response:
         """A stored response: the runner owns it; this request only reads it."""
-        live = await self.runner.start(admitted)
+        events = await self.runner.start(admitted)
+        rid = admitted.response_id
         if admitted.req.stream:
-            events = self.runner.follow(admitted.tenant, live.id, -1)
             return StreamingResponse(
-                (sse(event) async for event in events),
+                (sse(event) async for event in self.runner.follow(admitted.tenant, rid, -1)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         if admitted.req.background:
-            return JSONResponse(live.events[-1]["response"])
-        await asyncio.wait([live.done])  # a disconnect stops this wait, never the run
-        return JSONResponse(live.done.result())
+            return JSONResponse(events[-1]["response"])
+        # A disconnect cancels this wait (here and in the runner), never the run.
+        final = await self.runner.result(admitted.tenant, rid)
+        if final is None:
+            raise response_not_found(rid)  # deleted while it ran
+        return JSONResponse(final)
 
     async def _record(self, request: Request) -> ResponseRecord:
         tenant = principal_of(request).tenant
@@ -241,24 +244,6 @@ class ResponsesAPI:
         if record is None:
             raise response_not_found(rid, "response_id")
         return record
-
-    async def _first(self, gen: Any) -> RequestOutput:
-        """The first output decides the status: a grammar that failed is a 400 here."""
-        try:
-            out = await gen.__anext__()
-        except errors.APIError as exc:
-            raise errors.api_error_in(exc) or exc from None
-        except ValueError as exc:
-            raise errors.invalid_request(str(exc), "input") from exc
-        except Exception as exc:
-            found = errors.api_error_in(exc)
-            if found is not None:
-                raise found from None
-            logger.error("engine refused response: %s", type(exc).__name__)
-            raise errors.internal_error("The engine is unavailable.", retryable=True) from exc
-        if out.error is not None or out.error_code is not None:
-            raise renamed(first_error(out))
-        return out
 
     async def _sse(self, run: ResponseRun, first: RequestOutput, gen: Any) -> AsyncIterator[bytes]:
         numbers = EventNumbers()
@@ -270,7 +255,9 @@ class ResponsesAPI:
         except Exception:
             logger.exception("response stream failed after headers")
             error = {"code": "internal_error", "message": "The stream failed."}
-            final = self._object(run.admitted, "failed", run.items.items, run.usage(), error=error)
+            final = self.object_of(run.admitted)(
+                "failed", run.items.items, run.usage(), error=error
+            )
             yield sse(numbers.number({"type": "response.failed", "response": final}))
         finally:
             gen.cancel()
@@ -291,79 +278,6 @@ class ResponsesAPI:
             time.time() + self.options.retention_s,
         )
         await asyncio.to_thread(self.store.insert_response, record)
-
-    def _object_of(self, admitted: AdmittedResponse) -> Any:
-        def build(status: str, output: list[dict[str, Any]], usage: Any, **kwargs: Any) -> Any:
-            return self._object(admitted, status, output, usage, **kwargs)
-
-        return build
-
-    def _object(
-        self,
-        admitted: AdmittedResponse,
-        status: str,
-        output: list[dict[str, Any]],
-        usage: dict[str, Any] | None,
-        *,
-        error: dict[str, str] | None = None,
-        incomplete_reason: str | None = None,
-    ) -> dict[str, Any]:
-        """The response object at `status` (its items copied: later deltas never change a
-        frame already built)."""
-        req = admitted.req
-        fmt = req.text.format if req.text is not None else None
-        text_format = fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
-        tool_choice: Any = req.tool_choice
-        if tool_choice is None:
-            tool_choice = "auto" if req.tools else "none"
-        elif not isinstance(tool_choice, str):
-            tool_choice = tool_choice.model_dump()
-        sampling = admitted.engine_request.params
-        return {
-            "id": admitted.response_id,
-            "object": "response",
-            "created_at": int(admitted.created_at),
-            "status": status,
-            "background": bool(req.background),
-            "error": error,
-            "incomplete_details": (
-                {"reason": incomplete_reason} if incomplete_reason is not None else None
-            ),
-            "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens,
-            "model": req.model,
-            "output": json.loads(json.dumps(output)),
-            "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id,
-            "conversation": (
-                {"id": admitted.conversation_id} if admitted.conversation_id is not None else None
-            ),
-            "reasoning": {"effort": None, "summary": None},
-            "store": req.store,
-            "temperature": sampling.temperature,
-            "text": {"format": text_format},
-            "tool_choice": tool_choice,
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
-            "top_p": sampling.top_p,
-            "truncation": "disabled",
-            "usage": usage,
-            "user": req.user,
-            "metadata": req.metadata or {},
-            # The served artifact, as every family names it.
-            "system_fingerprint": self.identity["fingerprint"],
-        }
-
-
-def first_error(out: RequestOutput) -> errors.APIError:
-    """The API error an engine's refusal of the first output stands for (nothing was sent:
-    a repeat is safe). A response's deadline can only come from the header."""
-    return errors.engine_refusal(
-        out.error_code,
-        out.error or out.error_code or "the engine failed",
-        grammar_param="text.format",
-        deadline_param=HEADER_PARAM,
-        retryable=True,
-    )
 
 
 async def aiter_of(gen: Any) -> AsyncIterator[Any]:

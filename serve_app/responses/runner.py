@@ -181,14 +181,23 @@ class ResponseRunner:
         return await self._end_stored(record, "failed", error)
 
     async def follow(self, tenant: str, response_id: str, after: int) -> AsyncIterator[Event]:
-        """The events after sequence number `after`: from memory while this process runs
-        it, else from the store, polled until its terminal event."""
+        """The events after sequence number `after`, one by one (`follow_batches`)."""
+        async for batch in self.follow_batches(tenant, response_id, after):
+            for event in batch:
+                yield event
+
+    async def follow_batches(
+        self, tenant: str, response_id: str, after: int
+    ) -> AsyncIterator[list[Event]]:
+        """The events after sequence number `after`, every event ready at once as one batch:
+        from memory while this process runs it, else from the store, polled until its
+        terminal event."""
         index = after + 1
         while True:
             live = self.find(tenant, response_id)
             if live is not None:
-                async for event in _follow_live(live, index):
-                    yield event
+                async for batch in _follow_live(live, index):
+                    yield batch
                 return
             record = await self.record(tenant, response_id)
             if record is None:
@@ -197,11 +206,12 @@ class ResponseRunner:
             events = await asyncio.to_thread(
                 self.store.get_response_events, tenant, response_id, index - 1
             )
-            for event in events:
-                yield event
-                if event["type"] in TERMINAL_EVENTS:
-                    return
+            ends = [i for i, e in enumerate(events) if e["type"] in TERMINAL_EVENTS]
+            if ends:
+                yield events[: ends[0] + 1]
+                return
             if events:
+                yield events
                 index = events[-1]["sequence_number"] + 1
             if record.status not in UNFINISHED:
                 return
@@ -422,14 +432,17 @@ class ResponseRunner:
         return current or ended
 
 
-async def _follow_live(live: LiveResponse, index: int) -> AsyncIterator[Event]:
+async def _follow_live(live: LiveResponse, index: int) -> AsyncIterator[list[Event]]:
     while True:
-        while index < len(live.events):
-            event = live.events[index]
-            index += 1
-            yield event
-            if event["type"] in TERMINAL_EVENTS:
+        if index < len(live.events):
+            batch = live.events[index:]
+            ends = [i for i, e in enumerate(batch) if e["type"] in TERMINAL_EVENTS]
+            if ends:
+                yield batch[: ends[0] + 1]
                 return
+            index += len(batch)
+            yield batch
+            continue
         await live.changed()
 
 

@@ -19,6 +19,14 @@ async def start_grammar(
     options: Any,  # GrammarOptions
     compiler: Any,  # the grammar deployment's handle
 ) -> list[object] | None:
+    spec = grammar_spec(req, parse, identity=identity, options=options)
+    return None if spec is None else await compile_grammar(compiler, spec)
+
+
+def grammar_spec(
+    req: Any, parse: ParseOptions | None, *, identity: dict[str, Any], options: Any
+) -> GrammarSpec | None:
+    """The request's constraint, checked (400s name its field), or None without one."""
     spec = req.grammar_spec()
     if spec is None:
         return None
@@ -32,8 +40,13 @@ async def start_grammar(
         raise errors.invalid_request(
             f"grammar spec is larger than {options.max_spec_bytes} bytes", param
         )
-    spec = after_reasoning(req, spec, parse, options)
-    # Boxed so the engine call does not wait for it: prefill overlaps compilation.
+    return after_reasoning(req, spec, parse, options)
+
+
+async def compile_grammar(compiler: Any, spec: GrammarSpec) -> list[object]:
+    """Start the compile; the engine request's `grammar`. Boxed so the engine call does not
+    wait for it: prefill overlaps compilation. The calling process owns the result: work
+    handed to another process compiles there (a result whose owner died is lost)."""
     ref = await compiler.compile.remote(spec)._to_object_ref()
     return [ref]
 

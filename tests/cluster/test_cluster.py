@@ -213,7 +213,7 @@ def test_tp4_on_2_gpu_nodes_fails_within_the_placement_timeout_naming_bundles_an
 
 def test_cpu_deployments_on_the_head_and_each_replicas_ranks_on_one_gpu_node(served, cluster):
     topology = _topology(cluster)
-    for deployment in ("ingress", "tokenizer", "grammar", "admin"):
+    for deployment in ("ingress", "tokenizer", "grammar", "admin", "responses"):
         replicas = _replicas_of(topology, deployment)
         assert replicas and {r["node_id"] for r in replicas} == {cluster.head}, deployment
     for cls in ("ProxyActor", "StatsRegistry", "ServeController"):
