@@ -9,6 +9,7 @@ through a finalizer.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -50,8 +51,14 @@ class LLM:
         placement_strategy: str = "STRICT_PACK",
         placement_timeout_s: float = 60.0,
         speculative_config: dict[str, Any] | None = None,
+        step_delay_s: float = 0.0,
     ):
         from actors.models.gguf import resolve_checkpoint
+
+        if step_delay_s < 0:
+            raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
+        # Sleep after each step: a slow model without a slow machine (tests; keep 0).
+        self.step_delay_s = step_delay_s
 
         # A GGUF file is dequantized once into a cached checkpoint folder (actors/models/gguf.py).
         model = resolve_checkpoint(model)
@@ -149,7 +156,10 @@ class LLM:
             priority = priorities[i] if priorities else 0
             self.engine.add_request(request_id, ids, p, priority=priority)
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
+            for out in outputs:
                 if out.error is not None:
                     raise ExecutorError(f"generation failed: {out.error}")
                 result = results[out.request_id]

@@ -470,6 +470,14 @@ def _add_batch(subparsers: argparse._SubParsersAction) -> None:
         help="seconds between progress lines when standard error is not a terminal (10)",
     )
     parser.add_argument(
+        "--step-delay-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="sleep after each engine step: a slow model without a slow machine, for tests "
+        "and demos (0; keep it 0)",
+    )
+    parser.add_argument(
         "--verbose", action="store_true", help="also show Ray Data's own progress and logs"
     )
     parser.set_defaults(handler=cmd_batch)
@@ -506,6 +514,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout_s,
             progress_interval_s=args.progress_interval_s,
             verbose=args.verbose,
+            engine_options={"step_delay_s": args.step_delay_s} if args.step_delay_s else None,
         )
     except (BatchInputError, ValueError) as exc:
         return _fail("batch", str(exc))

@@ -29,6 +29,7 @@ LONG_TOKENS = 900
 # model streaming ~265-byte chunks, that is a few hundred tokens into the stream.
 HELD_WITHIN_S = 15.0
 MAX_TOKENS_AT_HOLD = 700
+STEP_DELAY_S = 0.002
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,13 @@ def flow_app(serve_url, ray_session, model_dirs, tmp_path_factory):
         model_dirs("llama"),
         MODEL,
         tmp_path_factory.mktemp("flow-data"),
-        engine={"block_size": BLOCK_SIZE, "hold_timeout_s": HOLD_TIMEOUT_S},
+        # A slow model, not a slow machine: what the hold lets through in its reaction
+        # time is bounded in tokens (57 blocks went by on a fast CPU without it).
+        engine={
+            "block_size": BLOCK_SIZE,
+            "hold_timeout_s": HOLD_TIMEOUT_S,
+            "step_delay_s": STEP_DELAY_S,
+        },
     )
     with side_app(config, "serve-app-flow", "/flow", serve_url, ray_session, admin=True) as apps:
         yield apps

@@ -33,6 +33,7 @@ from serve_app.batch.progress import ProgressView, format_duration, progress_lin
 NUM_ROWS = 160
 LONG_ID = "row-000"  # runs far longer than a drain of 0 s: aborted by every clean stop
 LONG_MAX_TOKENS = 900
+STEP_DELAY_S = 0.002  # the long row takes at least 1.8 s
 RUN_TIMEOUT_S = 180
 
 # (kill points, expected exit status); the last run has only a compaction point, so it
@@ -87,7 +88,9 @@ def chain(ray_session, model_dirs, tmp_path_factory) -> list[dict]:
     argv = [sys.executable, "-m", "serve_app.cli", "batch", str(inp), str(out), "--resume",
             "--model", str(model_dirs("llama")), "--address", address, "--temperature", "0",
             "--batch-size", "8", "--commit-interval-s", "0", "--drain-timeout-s", "0",
-            "--progress-interval-s", "1"]  # fmt: skip
+            "--progress-interval-s", "1",
+            # A slow model, not a slow machine: the long row is still running at every stop.
+            "--step-delay-s", str(STEP_DELAY_S)]  # fmt: skip
     runs = []
     for kill, expected in CHAIN:
         started = time.monotonic()

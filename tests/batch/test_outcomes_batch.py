@@ -25,6 +25,7 @@ from serve_app.outcomes import published
 Check = Callable[[dict[str, Any]], None]
 MAX_TOKENS = 1000  # of the deadline row: far more than its timeout lets it make
 TIMEOUT_S = 0.5
+STEP_DELAY_S = 0.002
 # The refusal object alone, short enough to finish well within the row's max_tokens.
 REFUSAL_ONLY = {
     "type": "object",
@@ -124,7 +125,12 @@ def outputs(ray_session, model, tmp_path_factory) -> dict[str, dict[str, Any]]:
 
     root = tmp_path_factory.mktemp("batch-outcomes")
     source = write(root / "in.parquet", [{"id": c, **row} for c, (row, _) in CASES.items()])
-    run_batch(source, root / "out", model=model, defaults=BatchDefaults(temperature=0))
+    # A slow model, not a slow machine: the deadline row cannot make its 1,000 tokens in
+    # TIMEOUT_S however fast the CPU (it made them in under 0.5 s on a fast one).
+    run_batch(
+        source, root / "out", model=model, defaults=BatchDefaults(temperature=0),
+        engine_options={"step_delay_s": STEP_DELAY_S},
+    )  # fmt: skip
     rows = {r["id"]: r for r in pq.read_table(root / "out").to_pylist()}
     engine = BatchEngine(model, defaults=BatchDefaults(max_tokens=4, temperature=0))
     try:
