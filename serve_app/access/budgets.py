@@ -46,17 +46,31 @@ class Meter:
     reservation_id: str | None = None
     prompt_tokens: int = 0
     measured_tokens: int | None = None
+    # A stream's running count (prompt + output so far), read when the request ends without
+    # a measurement: a client that left mid-stream is charged what was produced.
+    measure: Callable[[], int] | None = None
 
     @property
     def charged_tokens(self) -> int:
-        # NOTE: a cancelled or failed request without a measurement is charged its prompt
-        # (prefill ran or may have run); its partial output is not counted.
-        return self.prompt_tokens if self.measured_tokens is None else self.measured_tokens
+        if self.measured_tokens is not None:
+            return self.measured_tokens
+        if self.measure is not None:
+            return self.measure()
+        # NOTE: a request that failed before any output is charged its prompt (prefill ran
+        # or may have run).
+        return self.prompt_tokens
 
 
 # The request's meter, set by the admission middleware around the whole request (stream
 # included); child tasks see the same Meter object.
 _METER: contextvars.ContextVar[Meter | None] = contextvars.ContextVar("meter", default=None)
+
+
+def measure_usage(measure: Callable[[], int]) -> None:
+    """Let the request's meter read its usage so far (`Meter.measure`), however it ends."""
+    meter = _METER.get()
+    if meter is not None:
+        meter.measure = measure
 
 
 def record_usage(total_tokens: int) -> None:

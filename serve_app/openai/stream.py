@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from actors.outputs import CompletionDelta, RequestOutput
 from serve_app import errors
-from serve_app.access.budgets import record_usage
+from serve_app.access.budgets import measure_usage, record_usage
 from serve_app.metrics import (
     record_latency,
     record_outcome,
@@ -208,6 +208,9 @@ async def stream_sse(merged: Merged, job: AdmittedRequest) -> AsyncIterator[byte
     state = StreamState(len(choices), include_usage=job.req.include_usage, role_first=fmt.chat)
     first_chunk: float | None = None
     num_chunks = 0
+    # A client that leaves while this generator waits on the socket never sees it resumed
+    # (no CancelledError here): its meter reads the usage so far instead.
+    measure_usage(lambda: outputs.usage().total_tokens)
     try:
         for c in choices:
             if fmt.chat:

@@ -88,7 +88,8 @@ class Output:
             stderr=subprocess.STDOUT,
             text=True,
             cwd=ROOT,
-            env=env,
+            # A stop that lingers is aborted with its threads' tracebacks in the output.
+            env={**env, "PYTHONFAULTHANDLER": "1"},
             start_new_session=True,
         )
         self.lines: list[str] = []
@@ -110,6 +111,9 @@ class Output:
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGABRT)  # faulthandler: where it was stuck
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=10)
                 self.kill_group()
         self.kill_group()
         return self.proc.wait()

@@ -29,8 +29,9 @@ def crash_url(serve_url, ray_session, model_dirs, tmp_path_factory):
     from serve_app.config.profiles import Profile
 
     profile = Profile(
-        name="essay", version="1", instructions="Write at length.", max_output_tokens=900
-    )
+        name="essay", version="1", instructions="Write at length.", max_output_tokens=900,
+        temperature=0.0,  # greedy: the tiny model runs its whole budget (no early EOS)
+    )  # fmt: skip
     config = side_apps.side_config(
         model_dirs("llama"),
         MODEL,
