@@ -78,6 +78,10 @@ def config_file(tmp: Path, name: str, port: int, model: Path, **args) -> Path:
     return path
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Output:
     """A child process with its stdout and stderr kept."""
 
@@ -91,6 +95,9 @@ class Output:
             # A stop that lingers is aborted with its threads' tracebacks in the output.
             env={**env, "PYTHONFAULTHANDLER": "1"},
             start_new_session=True,
+            # Ctrl-C as in an operator's terminal: a suite started in the background by a
+            # shell inherits SIGINT ignored, and `serve run` then sleeps through it.
+            preexec_fn=_default_sigint,
         )
         self.lines: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
