@@ -26,8 +26,8 @@ from tests.backpressure.test_proxy_backpressure import (
     text_and_finish,
     wait_for,
 )
-from tests.server.test_serve_start_stop import SERVE_APP, Output, serve_env, short_ray_dir
-from tests.support.ports import free_port
+from tests.server.test_serve_start_stop import serve_env, short_ray_dir, start_serve
+from tests.support.ports import free_listen_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(900)]
 
@@ -55,7 +55,8 @@ def direct(model_dirs, tmp_path_factory):
             {"keys": [{"id": "k", "sha256": hash_key(KEY), "tenant": "t", "admin": True}]}
         )
     )
-    port, admin_port = free_port(), free_port()
+    # Below the ephemeral range: the replica binds without SO_REUSEADDR (ports.py).
+    port, admin_port = free_listen_port(), free_listen_port()
     config = {
         "model": str(model_dirs("llama")),
         "served_model_name": MODEL,
@@ -68,14 +69,7 @@ def direct(model_dirs, tmp_path_factory):
     }
     (tmp / "config.yaml").write_text(yaml.safe_dump(config))
     with short_ray_dir() as ray_dir:
-        proc = subprocess.Popen(
-            [SERVE_APP, "serve", "--config", str(tmp / "config.yaml")],
-            env=serve_env(ray_dir),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        out, err = Output(proc.stdout), Output(proc.stderr)
+        proc, out, err = start_serve(["--config", str(tmp / "config.yaml")], serve_env(ray_dir))
         try:
             out.wait_for("ready", proc, err, timeout_s=600)
             yield DirectServer(proc, port, admin_port)

@@ -187,6 +187,18 @@ class Output:
         return "\n".join(self.lines)
 
 
+def start_serve(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, Output, Output]:
+    """`serve-app serve ARGS` as an operator starts it; its stdout and stderr read as they come."""
+    proc = subprocess.Popen(
+        [SERVE_APP, "serve", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return proc, Output(proc.stdout), Output(proc.stderr)
+
+
 def engine_reported(admin_stats_url: str, timeout_s: float = 30) -> bool:
     """The admin API answers and, within a few reports, counts the engine's KV blocks."""
     deadline = time.monotonic() + timeout_s
@@ -204,15 +216,8 @@ def engine_reported(admin_stats_url: str, timeout_s: float = 30) -> bool:
 def test_a_clean_start_prints_the_banner_and_ctrl_c_stops_cleanly(model_dirs):
     model = model_dirs("llama")
     port, admin_port = free_port(), free_port()
-    args = [SERVE_APP, "serve", "--model", str(model), "--port", str(port)]
-    proc = subprocess.Popen(
-        [*args, "--admin-port", str(admin_port)],
-        env=serve_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    out, err = Output(proc.stdout), Output(proc.stderr)
+    args = ["--model", str(model), "--port", str(port), "--admin-port", str(admin_port)]
+    proc, out, err = start_serve(args, serve_env())
     try:
         out.wait_for("ready", proc, err, timeout_s=600)
         url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}/admin/v1/stats"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 
@@ -9,3 +10,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_listen_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, for a server that binds it
+    without SO_REUSEADDR (Serve's direct-ingress replica): a port from the ephemeral range
+    can be taken meanwhile as the local port of one of Ray's own outgoing connections, and
+    then that bind fails."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
