@@ -206,9 +206,9 @@ class ResponseRunner:
             events = await asyncio.to_thread(
                 self.store.get_response_events, tenant, response_id, index - 1
             )
-            ends = [i for i, e in enumerate(events) if e["type"] in TERMINAL_EVENTS]
-            if ends:
-                yield events[: ends[0] + 1]
+            events, ended = _until_terminal(events)
+            if ended:
+                yield events
                 return
             if events:
                 yield events
@@ -435,15 +435,22 @@ class ResponseRunner:
 async def _follow_live(live: LiveResponse, index: int) -> AsyncIterator[list[Event]]:
     while True:
         if index < len(live.events):
-            batch = live.events[index:]
-            ends = [i for i, e in enumerate(batch) if e["type"] in TERMINAL_EVENTS]
-            if ends:
-                yield batch[: ends[0] + 1]
+            batch, ended = _until_terminal(live.events[index:])
+            if ended:
+                yield batch
                 return
             index += len(batch)
             yield batch
             continue
         await live.changed()
+
+
+def _until_terminal(events: list[Event]) -> tuple[list[Event], bool]:
+    """`events` up to and including the first terminal one, and whether there was one."""
+    for i, event in enumerate(events):
+        if event["type"] in TERMINAL_EVENTS:
+            return events[: i + 1], True
+    return events, False
 
 
 def _total_tokens(live: LiveResponse) -> int:
