@@ -35,6 +35,7 @@ MODEL = "flow-tiny"
 KEY = "key-direct"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG_TOKENS = 900
+STEP_DELAY_S = 0.004
 
 
 class DirectServer:
@@ -64,7 +65,9 @@ def direct(model_dirs, tmp_path_factory):
         "admin_port": admin_port,
         "direct_ingress": True,
         "api_keys_file": str(keys),
-        "engine": {"block_size": 16, "hold_timeout_s": 8.0},
+        # A slow model, not a slow machine: a fast CPU streamed all 900 tokens into the
+        # socket buffers before the write blocked, and nothing was ever held.
+        "engine": {"block_size": 16, "hold_timeout_s": 8.0, "step_delay_s": STEP_DELAY_S},
         "generations": {"data_dir": str(tmp / "data")},
     }
     (tmp / "config.yaml").write_text(yaml.safe_dump(config))
