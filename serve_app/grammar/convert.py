@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,10 +37,12 @@ from serve_app.grammar.tools import (
 )
 from serve_app.parsers.reasoning import THINK_CLOSE, THINK_OPEN
 
-# NOTE: xgrammar 0.2.9 lets raw control characters into length-bounded JSON strings (invalid
-# JSON). Its printed EBNF is patched to the character class its other JSON strings use.
-BOUNDED_CHAR = r"[^\"\\\r\n]"
-JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+# NOTE: xgrammar 0.2.9's JSON-string character classes admit what JSON and UTF-8 forbid: raw
+# control characters in length-bounded strings, and in every string the UTF-8 form of a
+# surrogate (ED A0..BF xx), which detokenizes as three U+FFFD (a 24-character bound came back
+# 26 characters long). Its printed EBNF is patched: each negated class that starts with the
+# quote and backslash (`[^"\\...]`, after `\0-\x1f` or not) excludes both.
+JSON_CHAR_CLASS = re.compile(r"\[\^(?:\\0-\\x1f)?(\\\"\\\\(?:\\.|[^\]\\])*)\]")
 # What the chat template writes between `</think>` and the answer.
 AFTER_REASONING = "\n\n"
 OBJECT_SCHEMA = '{"type":"object"}'
@@ -79,7 +82,11 @@ def _ebnf(kind: str, canonical: str) -> str:
 def _schema_ebnf(canonical: str, strict: bool) -> str:
     # Requests repeat the same tools and schemas: one conversion each.
     grammar = xgr.Grammar.from_json_schema(canonical, any_whitespace=False, strict_mode=strict)
-    return str(grammar).replace(BOUNDED_CHAR, JSON_STRING_CHAR)
+    return JSON_CHAR_CLASS.sub(_json_char_class, str(grammar))
+
+
+def _json_char_class(match: re.Match[str]) -> str:
+    return r"[^\0-\x1f" + match[1] + r"\uD800-\uDFFF]"
 
 
 def _tag_ebnf(tag: StructuralTag) -> str:

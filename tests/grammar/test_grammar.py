@@ -66,14 +66,18 @@ def test_second_compile_is_a_cache_hit_and_keyword_order_does_not_matter(service
     assert [after[k] - before[k] for k in ("cache_misses", "cache_hits", "compiles")] == [2, 2, 4]
 
 
-def test_length_bounded_strings_admit_only_valid_json_and_utf8(service, engine_cache):
-    schema = {"type": ["string", "null"], "maxLength": 3}
+@pytest.mark.parametrize("bound", [{"maxLength": 3}, {}])
+def test_json_strings_admit_only_valid_json_and_utf8(service, engine_cache, bound):
+    schema = {"type": ["string", "null"], **bound}
     payload = compile_spec(service, "json_schema", json.dumps(schema))
     assert all(accepts(engine_cache, payload, t) for t in ['"ab"', '"日本語"', '"é😀"', "null"])
     # Raw control characters (xgrammar 0.2.9's own bounded strings admit them: invalid JSON),
-    # overlong UTF-8, and a fourth character.
-    bad = [b'"a\x05"', b'"\t"', b'"\xf0\x83\xb2\xb1"', b'"\xe0\x80\xaf"', b'"abcd"']
+    # overlong UTF-8, and the UTF-8 form of a surrogate (xgrammar admits it in every string;
+    # it detokenizes as three U+FFFD, longer than the bound the grammar counted).
+    bad = [b'"a\x05"', b'"\t"', b'"\xf0\x83\xb2\xb1"', b'"\xe0\x80\xaf"', b'"\xed\xa0\x80"']
+    bad += [b'"\xed\xbf\xbfx"', b'"abcd"'] if bound else [b'"a\xed\xb0\x80b"']
     assert not any(accepts(engine_cache, payload, raw) for raw in bad)
+    assert accepts(engine_cache, payload, b'"\xed\x9f\xbf\xee\x80\x80"')  # U+D7FF, U+E000
 
 
 def test_concurrent_requests_share_one_compilation(service, monkeypatch):
