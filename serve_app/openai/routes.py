@@ -216,7 +216,12 @@ async def merged_outputs(
                 box.put(out)  # channelled: nothing more, unless its channel closed under it
         except (Exception, asyncio.CancelledError) as exc:
             if asyncio.current_task().cancelling():
-                raise  # the reader left (the merge is closing): nothing more is wanted
+                # The reader left (the merge is closing): nothing more is wanted. The handle
+                # may answer that cancel with its own RequestCancelledError: the same end,
+                # and no one awaits this task to retrieve it.
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                return
             # The replica or its worker died, or Serve cancelled the call under its reader
             # (it cancels a leaving client's handle calls before its writer hears of it,
             # and raises CancelledError in whoever reads them). The engine request is gone

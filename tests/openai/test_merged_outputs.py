@@ -8,10 +8,12 @@ chunk after an open choice) and never a wait for outputs that will not come."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from types import SimpleNamespace
 
 import pytest
+from ray.serve.exceptions import RequestCancelledError
 
 from actors.outputs import CompletionDelta, RequestOutput
 from actors.request import FinishReason
@@ -168,3 +170,30 @@ def test_merged_outputs_that_end_with_a_choice_open_are_engine_lost():
     with pytest.raises(errors.APIError) as info:
         asyncio.run(collect_body(short(), job(stream=False)))
     assert info.value.status == 500 and info.value.code == "engine_lost"
+
+
+class HangingCall(Call):
+    """A Serve call still waiting for its next output when the reader leaves: it answers the
+    cancel with Serve's own `RequestCancelledError`, as a handle does."""
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise RequestCancelledError("r") from None
+        raise AssertionError("not reached")
+
+
+def test_a_reader_that_leaves_a_waiting_call_leaves_no_unretrieved_task_error():
+    reported: list[dict] = []
+
+    async def go() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx))
+        frames = stream_sse(merged(HangingCall([])), job(stream=True))
+        await frames.__anext__()
+        await frames.aclose()  # the client went away while the call waited
+        await asyncio.sleep(0.05)  # the pump ends
+        gc.collect()  # an exception no one retrieved is reported when its task is collected
+
+    asyncio.run(go())
+    assert reported == []
