@@ -19,7 +19,7 @@ from serve_app.parsers.chat_output import DEFAULT_TOOL_PARSER
 from serve_app.parsers.reasoning import ThinkReasoningParser
 from serve_app.parsers.tools import parser_versions
 from serve_app.resources.idempotency import MAX_IDEMPOTENCY_KEY_CHARS
-from serve_app.responses.protocol import responses_info
+from serve_app.responses.info import responses_info
 
 # Fields that change nothing here: accepted and ignored (never one that changes output).
 IGNORED_FIELDS = ["user", "metadata", "store", "service_tier"]

@@ -26,6 +26,7 @@ from serve_app.parsers.chat_output import PROMPT_TAIL, ParseOptions, chat_parse_
 from serve_app.protocol import ChatCompletionRequest, parse_request
 from serve_app.protocol.deadlines import client_timeout_s
 from serve_app.resources.conversations import read_history, stale_revision
+from serve_app.responses.chat_request import chat_body, chat_messages, renamed
 from serve_app.responses.output import new_item_id
 from serve_app.responses.protocol import (
     FunctionCallItem,
@@ -34,10 +35,7 @@ from serve_app.responses.protocol import (
     MessageItem,
     ReasoningItem,
     ResponseCreate,
-    chat_body,
-    chat_messages,
     parse_item,
-    renamed,
 )
 from serve_app.store.base import Store
 from serve_app.workers.constraint import compile_grammar, grammar_spec

@@ -12,7 +12,7 @@ from actors.outputs import RequestOutput
 from serve_app import errors
 from serve_app.protocol.deadlines import HEADER_PARAM
 from serve_app.responses.admission import AdmittedResponse
-from serve_app.responses.protocol import renamed
+from serve_app.responses.chat_request import renamed
 
 logger = logging.getLogger(__name__)
 

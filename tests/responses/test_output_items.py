@@ -9,8 +9,9 @@ import pytest
 from serve_app.errors import APIError
 from serve_app.parsers.chat_output import ReasoningDelta
 from serve_app.parsers.tools import ContentDelta, ToolCallArgsDelta, ToolCallStart
+from serve_app.responses.chat_request import chat_messages
 from serve_app.responses.output import EventNumbers, OutputItems, context_messages
-from serve_app.responses.protocol import chat_messages, parse_body
+from serve_app.responses.protocol import parse_body
 
 
 def run(events: list, status: str = "completed") -> tuple[OutputItems, list[str]]:
