@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from actors.outputs import CompletionDelta, RequestOutput
+from actors.outputs import CompletionDelta
 from serve_app import errors
 from serve_app.access.budgets import measure_usage, record_usage
 from serve_app.metrics import (
@@ -29,13 +29,9 @@ from serve_app.openai.streaming import StreamState
 from serve_app.parsers.chat_output import OutputEvent, ReasoningDelta
 from serve_app.parsers.tools import ContentDelta, ToolCallArgsDelta
 from serve_app.protocol import Usage
+from serve_app.workers.merged_outputs import Merged
 
 logger = logging.getLogger(__name__)
-
-# Every (prompt index, output) the merged engine streams had ready at one pull, in arrival
-# order; `(-1, None)` alone is the deadline.
-Ready = list[tuple[int, RequestOutput | None]]
-Merged = AsyncIterator[Ready]
 
 
 def observe_end(job: AdmittedRequest, choices: list[ChoiceState], usage: Usage) -> None:

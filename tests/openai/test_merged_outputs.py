@@ -20,9 +20,9 @@ from actors.request import FinishReason
 from serve_app import errors
 from serve_app.openai.admission import AdmittedRequest
 from serve_app.openai.format import Formatter
-from serve_app.openai.routes import merged_outputs
 from serve_app.openai.stream import collect_body, stream_sse
 from serve_app.protocol import parse_request
+from serve_app.workers.merged_outputs import merged_outputs
 from serve_app.workers.output_channel import EngineChannels, Routed
 
 PROMPT_IDS = [1, 2, 3]

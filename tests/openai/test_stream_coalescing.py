@@ -17,7 +17,6 @@ from actors.outputs import CompletionDelta, RequestOutput
 from actors.request import FinishReason
 from serve_app.openai.admission import AdmittedRequest
 from serve_app.openai.format import Formatter
-from serve_app.openai.routes import merged_outputs
 from serve_app.openai.stream import coalesced, stream_sse
 from serve_app.openai.token_text import TokenTexts
 from serve_app.parsers.chat_output import ReasoningDelta
@@ -32,6 +31,7 @@ from serve_app.protocol import (
     DeltaToolCall,
     parse_request,
 )
+from serve_app.workers.merged_outputs import merged_outputs
 from serve_app.workers.output_channel import EngineChannels, Routed
 
 PROMPT_IDS = [1, 2, 3]
