@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+from actors.outputs import RequestOutput
 from serve_app import errors
 from serve_app.resources.conversations import append_items
 from serve_app.resources.owned import OwnedTasks
@@ -33,6 +34,8 @@ from serve_app.responses.admission import AdmittedResponse
 from serve_app.responses.output import Event, context_messages, usage
 from serve_app.responses.run import ResponseRun
 from serve_app.store.base import ResponseRecord, Store
+from serve_app.workers.merged_outputs import Merged, merged_outputs
+from serve_app.workers.output_channel import EngineChannels
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +119,9 @@ class ResponseRunner:
         store: Store,
         engine: Any,  # engine handle with .options(stream=True)
         base_of: BaseOf,
-        first_output: Callable[[Any], Any],  # async: the first output, or the API error
+        first_output: Callable[
+            ..., Any
+        ],  # async (gen, on_routed): the first output, or the API error
         retention_s: float,
         orphan_after_s: float,
         conversation_retention_s: float,
@@ -129,6 +134,7 @@ class ResponseRunner:
         self.retention_s = retention_s
         self.orphan_after_s = orphan_after_s
         self.live: dict[str, LiveResponse] = {}
+        self.channels = EngineChannels(engine)
         self.tasks = OwnedTasks()
 
     # ------------------------------------------------------------------ requests
@@ -243,13 +249,18 @@ class ResponseRunner:
             live.add({"type": "response.queued", "response": live.base("queued", [], None)})
             await self._insert(live, "queued")
             live.accept()
-        live.stream = gen = self.engine.generate.remote(adm.engine_request)
+        # Its later outputs come in this process's output channel when the engine replica
+        # has it open: a step's outputs of every running response as one item.
+        request = replace(adm.engine_request, channel=self.channels.channel_id)
+        box = self.channels.expect(request.request_id)
+        live.stream = gen = self.engine.generate.remote(request)
         if live.is_cancel_requested:
             gen.cancel()
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(live))
+        merged = None
         try:
             try:
-                first = await self.first_output(gen)
+                first = await self.first_output(gen, lambda to: self.channels.routed(box, to))
             except (Exception, asyncio.CancelledError) as exc:
                 if isinstance(exc, asyncio.CancelledError) and not _cancelled_by_request(live):
                     raise
@@ -263,7 +274,8 @@ class ResponseRunner:
                 live.accept()
             run = ResponseRun(adm, live.base, self._saver(live), lambda: live.is_cancel_requested)
             live.run = run
-            async for event in run.events(first, _outputs(gen), created=not background):
+            merged = merged_outputs([gen], [box], [first], None, self.channels)
+            async for event in run.events(first, _later_outputs(merged), created=not background):
                 if event["type"] in TERMINAL_EVENTS:
                     break  # the saver numbered, stored and published it
                 live.add(event)
@@ -271,6 +283,9 @@ class ResponseRunner:
                     await self._flush(live)
         finally:
             heartbeat.cancel()
+            if merged is not None:
+                await merged.aclose()
+            self.channels.release(request.request_id)
 
     async def _end_early(self, live: LiveResponse, exc: BaseException) -> None:
         """A background response the engine refused before its first output."""
@@ -467,6 +482,12 @@ def _cancelled_by_request(live: LiveResponse) -> bool:
     return live.is_cancel_requested and (task is None or task.cancelling() == 0)
 
 
-async def _outputs(gen: Any) -> AsyncIterator[Any]:
-    async for out in gen:
-        yield out
+async def _later_outputs(merged: Merged) -> AsyncIterator[RequestOutput]:
+    """The merged stream's outputs one by one, after the first (the run has it)."""
+    first = True
+    async for ready in merged:
+        for _, out in ready:
+            if first:
+                first = False
+            elif out is not None:
+                yield out

@@ -6,6 +6,8 @@ through `previous_response_id`; what `store: false` keeps; unknown and unsupport
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
 import httpx
@@ -185,6 +187,34 @@ def test_stream_events_are_ordered_numbered_and_match_the_stored_response(
     assert events[-1].type == f"response.{final.status}"
     # The record was written before the terminal event was sent.
     assert client.responses.retrieve(final.id).to_dict() == final.to_dict()
+
+
+def test_stored_responses_tokens_travel_in_the_runners_output_channel(
+    client: openai.OpenAI, model_id: str, admin_url: str
+):
+    """A stored response's tokens after its first reach the runner in its output channel,
+    one item per engine wake-up for every running response, not one Serve item per token."""
+    max_tokens, streams = 16, 6
+
+    def stat(key: str) -> int:
+        return httpx.get(f"{admin_url}/admin/v1/stats").json()["replicas"][0][key]
+
+    def one(i: int) -> Any:
+        return create(client, model_id, input=f"Count to ten, {i}.", max_output_tokens=max_tokens)
+
+    items_before, outputs_before = stat("channel_items"), stat("channel_outputs")
+    with ThreadPoolExecutor(streams) as pool:
+        finals = list(pool.map(one, range(streams)))
+    for final in finals:
+        check_ending(final, max_tokens)
+    wanted = sum(r.usage.output_tokens - 1 for r in finals)
+    assert wanted >= 2 * streams  # enough tokens to tell items from outputs
+    deadline = time.monotonic() + 5
+    while stat("channel_outputs") - outputs_before < wanted and time.monotonic() < deadline:
+        time.sleep(0.1)  # the replica reports a few times a second
+    outputs = stat("channel_outputs") - outputs_before
+    assert outputs >= wanted
+    assert stat("channel_items") - items_before < outputs / 2
 
 
 def test_a_forced_function_call_streams_its_arguments(client: openai.OpenAI, model_id: str):

@@ -71,7 +71,7 @@ class FakeEngine:
         return stream
 
 
-async def first_output(gen: Any) -> RequestOutput:
+async def first_output(gen: Any, on_routed: Any = None) -> RequestOutput:
     out = await gen.__anext__()
     if out.error is not None:
         raise errors.invalid_grammar(out.error, "text.format")
