@@ -186,6 +186,14 @@ class ResponseRunner:
         logger.warning("response %s lost its owner: failed (engine_lost)", response_id)
         return await self._end_stored(record, "failed", error)
 
+    def follow_live(
+        self, tenant: str, response_id: str, index: int
+    ) -> AsyncIterator[list[Event]] | None:
+        """The events from `index` of a response this process runs, in batches until its
+        terminal one; None when it does not run it."""
+        live = self.find(tenant, response_id)
+        return None if live is None else _follow_live(live, index)
+
     async def follow(self, tenant: str, response_id: str, after: int) -> AsyncIterator[Event]:
         """The events after sequence number `after`, one by one (`follow_batches`)."""
         async for batch in self.follow_batches(tenant, response_id, after):
@@ -460,10 +468,14 @@ async def _follow_live(live: LiveResponse, index: int) -> AsyncIterator[list[Eve
         await live.changed()
 
 
+def is_terminal(event: Event) -> bool:
+    return event["type"] in TERMINAL_EVENTS
+
+
 def _until_terminal(events: list[Event]) -> tuple[list[Event], bool]:
     """`events` up to and including the first terminal one, and whether there was one."""
     for i, event in enumerate(events):
-        if event["type"] in TERMINAL_EVENTS:
+        if is_terminal(event):
             return events[: i + 1], True
     return events, False
 

@@ -19,14 +19,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from serve_app import errors
 from serve_app.config.options import ServeConfig
 from serve_app.responses.admission import AdmittedResponse
+from serve_app.responses.event_channel import Batch, EventChannels, EventHub
 from serve_app.responses.objects import first_output, object_builder
 from serve_app.responses.output import Event
-from serve_app.responses.runner import ResponseRunner
+from serve_app.responses.runner import ResponseRunner, is_terminal
 from serve_app.store import open_store
 from serve_app.store.base import ResponseRecord, Store
 from serve_app.workers.constraint import compile_grammar
@@ -53,6 +55,7 @@ class ResponseRunnerService:
             config.generations.orphan_after_s,
             config.generations.retention_s,
         )
+        self.events = EventHub(self.runner.follow_live)
 
     async def start(self, admitted: AdmittedResponse) -> list[Event]:
         """Start the run; returns its events so far once it is recorded (background: at
@@ -82,6 +85,20 @@ class ResponseRunnerService:
         async for batch in self.runner.follow_batches(tenant, response_id, after):
             yield batch
 
+    async def event_channel(self, channel_id: str) -> AsyncIterator[str | Batch]:
+        """An ingress replica's event channel (`event_channel.py`)."""
+        async for item in self.events.serve(channel_id):
+            yield item
+
+    async def subscribe(
+        self, channel_id: str, sub_id: str, tenant: str, response_id: str, after: int
+    ) -> bool:
+        """Follow a response this replica runs into that channel; False when it cannot."""
+        return self.events.subscribe(channel_id, sub_id, tenant, response_id, after)
+
+    async def unsubscribe(self, channel_id: str, sub_id: str) -> None:
+        self.events.unsubscribe(channel_id, sub_id)
+
     async def cancel(self, tenant: str, response_id: str) -> dict[str, Any] | None:
         return await self.runner.cancel(tenant, response_id)
 
@@ -97,6 +114,7 @@ class RunnerClient:
         assert (handle is None) != (local is None)
         self.handle = handle
         self.local = local
+        self.channels = EventChannels(handle, is_terminal) if handle is not None else None
 
     async def _call(self, name: str, *args: Any) -> Any:
         if self.local is not None:
@@ -127,6 +145,14 @@ class RunnerClient:
                 for event in batch:
                     yield event
             return
+        assert self.channels is not None
+        async with aclosing(self.channels.follow(tenant, response_id, after)) as events:
+            async for event in events:  # a reader that leaves unsubscribes at once
+                yield event
+                if is_terminal(event):
+                    return
+                after = event["sequence_number"]
+        # No channel (or it stopped carrying them): the rest through a call of its own.
         batches = self.handle.options(stream=True).follow.remote(tenant, response_id, after)
         try:
             async for batch in batches:
