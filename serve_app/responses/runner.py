@@ -31,6 +31,7 @@ from serve_app import errors
 from serve_app.resources.conversations import append_items
 from serve_app.resources.owned import OwnedTasks
 from serve_app.responses.admission import AdmittedResponse
+from serve_app.responses.live import LiveResponse, follow_live_events, is_terminal, until_terminal
 from serve_app.responses.output import Event, context_messages, usage
 from serve_app.responses.run import ResponseRun
 from serve_app.store.base import ResponseRecord, Store
@@ -43,12 +44,6 @@ logger = logging.getLogger(__name__)
 # to `cancelling` (the owner's next write then fails and it stops), then the owner ends it.
 RUNNING = ("queued", "in_progress")
 UNFINISHED = (*RUNNING, "cancelling")
-TERMINAL_EVENTS = (
-    "response.completed",
-    "response.incomplete",
-    "response.failed",
-    "response.cancelled",
-)
 # A record write carries at least this many new events, or is this old (batching).
 FLUSH_EVENTS = 64
 FLUSH_PERIOD_S = 0.5
@@ -62,55 +57,6 @@ FOLLOW_POLL_S = 0.2
 CANCEL_WAIT_S = 3 * HEARTBEAT_PERIOD_S
 
 BaseOf = Callable[[AdmittedResponse], Callable[..., dict[str, Any]]]
-
-
-class LiveResponse:
-    """A stored response running in this process: its numbered events so far."""
-
-    def __init__(self, admitted: AdmittedResponse, base: Callable[..., dict[str, Any]]) -> None:
-        loop = asyncio.get_running_loop()
-        self.admitted = admitted
-        self.base = base
-        self.events: list[Event] = []
-        # Set once the response is accepted (recorded; or its first output arrived), or
-        # with the error that refused it before anything was stored.
-        self.accepted: asyncio.Future[None] = loop.create_future()
-        self.done: asyncio.Future[dict[str, Any]] = loop.create_future()
-        self.is_cancel_requested = False
-        self.stream: Any = None
-        self.run: ResponseRun | None = None
-        self.num_flushed = 0
-        self.num_writes = 0
-        self.flushed_at = time.monotonic()
-        self._changed: asyncio.Future[None] = loop.create_future()
-        self.lock = asyncio.Lock()  # one record write at a time, in event order
-
-    @property
-    def id(self) -> str:
-        return self.admitted.response_id
-
-    def add(self, event: Event) -> Event:
-        event["sequence_number"] = len(self.events)
-        self.events.append(event)
-        changed, self._changed = self._changed, asyncio.get_running_loop().create_future()
-        changed.set_result(None)
-        return event
-
-    async def changed(self) -> None:
-        # asyncio.wait: a reader that goes away never cancels the shared future.
-        await asyncio.wait([self._changed])
-
-    def request_cancel(self) -> None:
-        self.is_cancel_requested = True
-        if self.stream is not None:
-            self.stream.cancel()
-
-    def accept(self, error: BaseException | None = None) -> None:
-        if not self.accepted.done():
-            if error is None:
-                self.accepted.set_result(None)
-            else:
-                self.accepted.set_exception(error)
 
 
 class ResponseRunner:
@@ -192,7 +138,7 @@ class ResponseRunner:
         """The events from `index` of a response this process runs, in batches until its
         terminal one; None when it does not run it."""
         live = self.find(tenant, response_id)
-        return None if live is None else _follow_live(live, index)
+        return None if live is None else follow_live_events(live, index)
 
     async def follow(self, tenant: str, response_id: str, after: int) -> AsyncIterator[Event]:
         """The events after sequence number `after`, one by one (`follow_batches`)."""
@@ -210,7 +156,7 @@ class ResponseRunner:
         while True:
             live = self.find(tenant, response_id)
             if live is not None:
-                async for batch in _follow_live(live, index):
+                async for batch in follow_live_events(live, index):
                     yield batch
                 return
             record = await self.record(tenant, response_id)
@@ -220,7 +166,7 @@ class ResponseRunner:
             events = await asyncio.to_thread(
                 self.store.get_response_events, tenant, response_id, index - 1
             )
-            events, ended = _until_terminal(events)
+            events, ended = until_terminal(events)
             if ended:
                 yield events
                 return
@@ -284,7 +230,7 @@ class ResponseRunner:
             live.run = run
             merged = merged_outputs([gen], [box], [first], None, self.channels)
             async for event in run.events(first, _later_outputs(merged), created=not background):
-                if event["type"] in TERMINAL_EVENTS:
+                if is_terminal(event):
                     break  # the saver numbered, stored and published it
                 live.add(event)
                 if self._is_due(live):
@@ -453,31 +399,6 @@ class ResponseRunner:
             return ended
         current = await asyncio.to_thread(self.store.get_response, record.tenant, record.id)
         return current or ended
-
-
-async def _follow_live(live: LiveResponse, index: int) -> AsyncIterator[list[Event]]:
-    while True:
-        if index < len(live.events):
-            batch, ended = _until_terminal(live.events[index:])
-            if ended:
-                yield batch
-                return
-            index += len(batch)
-            yield batch
-            continue
-        await live.changed()
-
-
-def is_terminal(event: Event) -> bool:
-    return event["type"] in TERMINAL_EVENTS
-
-
-def _until_terminal(events: list[Event]) -> tuple[list[Event], bool]:
-    """`events` up to and including the first terminal one, and whether there was one."""
-    for i, event in enumerate(events):
-        if is_terminal(event):
-            return events[: i + 1], True
-    return events, False
 
 
 def _total_tokens(live: LiveResponse) -> int:

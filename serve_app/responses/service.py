@@ -26,9 +26,10 @@ from serve_app import errors
 from serve_app.config.options import ServeConfig
 from serve_app.responses.admission import AdmittedResponse
 from serve_app.responses.event_channel import Batch, EventChannels, EventHub
+from serve_app.responses.live import is_terminal
 from serve_app.responses.objects import first_output, object_builder
 from serve_app.responses.output import Event
-from serve_app.responses.runner import ResponseRunner, is_terminal
+from serve_app.responses.runner import ResponseRunner
 from serve_app.store import open_store
 from serve_app.store.base import ResponseRecord, Store
 from serve_app.workers.constraint import compile_grammar

@@ -13,7 +13,7 @@ import pytest
 
 from serve_app.responses import event_channel
 from serve_app.responses.event_channel import EventChannels, EventHub
-from serve_app.responses.runner import is_terminal
+from serve_app.responses.live import is_terminal
 
 NUM_TOKENS = 20
 
