@@ -157,6 +157,7 @@ class EventChannels:
         self.is_open = False
         self._subscriptions: dict[str, _Subscription] = {}
         self._reader: asyncio.Task | None = None
+        self._sending: set[asyncio.Task] = set()
 
     async def follow(self, tenant: str, rid: str, after: int) -> AsyncIterator[Event]:
         """The events after `after` from the channel, as long as it carries them; returns
@@ -200,7 +201,10 @@ class EventChannels:
             except Exception as exc:  # noqa: BLE001 (the channel's end cancels it anyway)
                 logger.info("unsubscribe failed: %s", type(exc).__name__)
 
-        asyncio.get_running_loop().create_task(send(), context=contextvars.Context())
+        # Held until done: the loop keeps only a weak reference to a task.
+        task = asyncio.get_running_loop().create_task(send(), context=contextvars.Context())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _read(self) -> None:
         gen = self.handle.options(stream=True).event_channel.remote(self.channel_id)
