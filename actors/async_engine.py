@@ -11,7 +11,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from actors.deadlines import RequestRejected
@@ -37,12 +36,7 @@ class AsyncEngine:
         constraint_builder: Callable[[object], object] | None,
         output_queue_size: int = 64,
         hold_timeout_s: float = 30.0,
-        step_delay_s: float = 0.0,
     ):
-        if step_delay_s < 0:
-            raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
-        # Fault injection for tests and benchmarks: every step takes this much longer.
-        self.step_delay_s = step_delay_s
         self.constraint_builder = constraint_builder
         self.output_queue_size = output_queue_size
         self.hold_timeout_s = hold_timeout_s
@@ -268,8 +262,6 @@ class AsyncEngine:
             except Exception:
                 logger.exception("engine step raised; failing every live request")
                 outputs = self.core.fail_all("internal engine error")
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
             self._post(outputs, self._steps_begun)
             if self.core.num_steps == ran and not outputs:
                 # Live requests but nothing to run (all waiting for a grammar, or held): wait

@@ -72,7 +72,13 @@ class EngineCore:
         seed: int = 0,
         deadline_config: DeadlineConfig | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
+        step_delay_s: float = 0.0,
     ):
+        if step_delay_s < 0:
+            raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
+        # Fault injection for tests and benchmarks: every step takes this much longer (a slow
+        # model without a slow machine; keep 0).
+        self.step_delay_s = step_delay_s
         self.model_config = model_config
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         self.deadline_config = deadline_config or DeadlineConfig(None, None)
@@ -282,6 +288,12 @@ class EngineCore:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         self._expire_deadlines()
         outputs, self._aborted_outputs = self._aborted_outputs, []
         if self.proposer is not None:

@@ -9,7 +9,6 @@ through a finalizer.
 from __future__ import annotations
 
 import itertools
-import time
 import weakref
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -55,11 +54,6 @@ class LLM:
     ):
         from actors.models.gguf import resolve_checkpoint
 
-        if step_delay_s < 0:
-            raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
-        # Sleep after each step: a slow model without a slow machine (tests; keep 0).
-        self.step_delay_s = step_delay_s
-
         # A GGUF file is dequantized once into a cached checkpoint folder (actors/models/gguf.py).
         model = resolve_checkpoint(model)
         self.model_config = ModelConfig.from_pretrained(
@@ -79,6 +73,7 @@ class LLM:
             SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             seed=seed,
             speculative_config=speculative_config,
+            step_delay_s=step_delay_s,
         )
         self._engine: EngineCore | None = engine
         # NOTE: the finalizer keeps only the executor's releaser (rank actors, placement
@@ -156,10 +151,7 @@ class LLM:
             priority = priorities[i] if priorities else 0
             self.engine.add_request(request_id, ids, p, priority=priority)
         while self.engine.has_unfinished():
-            outputs = self.engine.step()
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
-            for out in outputs:
+            for out in self.engine.step():
                 if out.error is not None:
                     raise ExecutorError(f"generation failed: {out.error}")
                 result = results[out.request_id]

@@ -181,8 +181,6 @@ class BatchEngine:
                     break
             try:
                 outputs = engine.step()
-                if self.llm.step_delay_s:
-                    time.sleep(self.llm.step_delay_s)
             except Exception as exc:  # noqa: BLE001 (a broken step fails its rows, not the job)
                 logger.exception("engine step failed")
                 for state in live.values():

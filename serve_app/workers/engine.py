@@ -66,6 +66,7 @@ class EngineService:
                 seed=e.seed,
                 deadline_config=DeadlineConfig(e.default_timeout_s, e.max_queue_s),
                 speculative_config=e.speculative_config,
+                step_delay_s=e.step_delay_s,
             )
             core.on_queue_time = lambda seconds: record_latency("queue", seconds, "engine")
             if core.proposer is not None:
@@ -80,7 +81,6 @@ class EngineService:
             grammar_cache.get_constraint,
             e.output_queue_size,
             e.hold_timeout_s,
-            step_delay_s=e.step_delay_s,
         )
         self.flow = StallWatcher(config.model_id, self.engine.pause_reader)
         self.replica_id = _replica_id()

@@ -32,8 +32,9 @@ def make_engine(llm: LLM, **kwargs) -> AsyncEngine:
     return engine
 
 
-def run_with_engine(llm: LLM, scenario, **kwargs) -> None:
-    """`await scenario(engine)` on a fresh AsyncEngine over the shared LLM, shut down after."""
+def run_with_engine(llm: LLM, scenario, step_delay_s: float = 0.0, **kwargs) -> None:
+    """`await scenario(engine)` on a fresh AsyncEngine over the shared LLM, shut down after;
+    `step_delay_s` slows the shared core's steps for this scenario only."""
 
     async def main() -> None:
         engine = make_engine(llm, **kwargs)
@@ -42,7 +43,11 @@ def run_with_engine(llm: LLM, scenario, **kwargs) -> None:
         finally:
             engine.shutdown()
 
-    asyncio.run(main())
+    llm.engine.step_delay_s = step_delay_s
+    try:
+        asyncio.run(main())
+    finally:
+        llm.engine.step_delay_s = 0.0
 
 
 async def collect(gen, outs: list, stop_after: int | None = None) -> None:
