@@ -27,7 +27,7 @@ from serve_app.parsers.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.protocol import parse_request
 from serve_app.protocol.parsing import check_token_ids
 from serve_app.workers.merged_outputs import merged_outputs
-from serve_app.workers.output_channel import EngineChannels, Mailbox, Routed
+from serve_app.workers.output_channel import EngineChannels, Mailbox
 
 logger = logging.getLogger(__name__)
 
@@ -162,10 +162,7 @@ class OpenAIHandlers:
     ) -> RequestOutput:
         """The first output decides the status: a grammar that failed is a 400 here."""
         try:
-            out = await gen.__anext__()
-            if isinstance(out, Routed):  # where the later outputs come
-                self.channels.routed(box, out)
-                out = await gen.__anext__()
+            out = await self.channels.first_output(gen, box)
         except errors.APIError as exc:  # the engine deployment's own (Ray wraps it: unwrap)
             raise errors.api_error_in(exc) or exc from None
         except ValueError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from actors.outputs import RequestOutput
@@ -13,7 +13,6 @@ from serve_app import errors
 from serve_app.protocol.deadlines import HEADER_PARAM
 from serve_app.responses.admission import AdmittedResponse
 from serve_app.responses.chat_request import renamed
-from serve_app.workers.output_channel import Routed
 
 logger = logging.getLogger(__name__)
 
@@ -88,18 +87,12 @@ def response_object(
     }
 
 
-async def first_output(
-    gen: Any, on_routed: Callable[[Routed], None] | None = None
-) -> RequestOutput:
+async def first_output(gen: Any, read: Awaitable[RequestOutput] | None = None) -> RequestOutput:
     """The engine stream's first output, which decides the status: a grammar that failed is
-    a 400 here, an engine that is gone a retryable 500. A request that named an output
-    channel is first told where its later outputs come (`on_routed`)."""
+    a 400 here, an engine that is gone a retryable 500. `read`: how to take it when not
+    `gen.__anext__()` (a channel-naming call: `EngineChannels.first_output`)."""
     try:
-        out = await gen.__anext__()
-        if isinstance(out, Routed):
-            if on_routed is not None:
-                on_routed(out)
-            out = await gen.__anext__()
+        out = await (read if read is not None else gen.__anext__())
     except errors.APIError as exc:
         raise errors.api_error_in(exc) or exc from None
     except ValueError as exc:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -57,6 +57,8 @@ FOLLOW_POLL_S = 0.2
 CANCEL_WAIT_S = 3 * HEARTBEAT_PERIOD_S
 
 BaseOf = Callable[[AdmittedResponse], Callable[..., dict[str, Any]]]
+# (gen, read): the engine call's first output (taken by `read`), or the API error it stands for.
+FirstOutput = Callable[[Any, Awaitable[RequestOutput]], Awaitable[RequestOutput]]
 
 
 class ResponseRunner:
@@ -65,9 +67,7 @@ class ResponseRunner:
         store: Store,
         engine: Any,  # engine handle with .options(stream=True)
         base_of: BaseOf,
-        first_output: Callable[
-            ..., Any
-        ],  # async (gen, on_routed): the first output, or the API error
+        first_output: FirstOutput,
         retention_s: float,
         orphan_after_s: float,
         conversation_retention_s: float,
@@ -214,7 +214,7 @@ class ResponseRunner:
         merged = None
         try:
             try:
-                first = await self.first_output(gen, lambda to: self.channels.routed(box, to))
+                first = await self.first_output(gen, self.channels.first_output(gen, box))
             except (Exception, asyncio.CancelledError) as exc:
                 if isinstance(exc, asyncio.CancelledError) and not _cancelled_by_request(live):
                     raise

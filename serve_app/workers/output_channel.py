@@ -260,6 +260,15 @@ class EngineChannels:
         elif box.instance in self._ended:
             box.fail("the output channel was closed")
 
+    async def first_output(self, gen: Any, box: Mailbox) -> RequestOutput:
+        """A channel-naming call's first output, once its `Routed` item said where the
+        later ones come."""
+        out = await gen.__anext__()
+        if isinstance(out, Routed):
+            self.routed(box, out)
+            out = await gen.__anext__()
+        return out
+
     def release(self, request_id: str) -> None:
         self.mailboxes.pop(request_id, None)
 

@@ -71,8 +71,8 @@ class FakeEngine:
         return stream
 
 
-async def first_output(gen: Any, on_routed: Any = None) -> RequestOutput:
-    out = await gen.__anext__()
+async def first_output(gen: Any, read: Any = None) -> RequestOutput:
+    out = await (read if read is not None else gen.__anext__())
     if out.error is not None:
         raise errors.invalid_grammar(out.error, "text.format")
     return out
