@@ -140,12 +140,6 @@ class ResponseRunner:
         live = self.find(tenant, response_id)
         return None if live is None else follow_live_events(live, index)
 
-    async def follow(self, tenant: str, response_id: str, after: int) -> AsyncIterator[Event]:
-        """The events after sequence number `after`, one by one (`follow_batches`)."""
-        async for batch in self.follow_batches(tenant, response_id, after):
-            for event in batch:
-                yield event
-
     async def follow_batches(
         self, tenant: str, response_id: str, after: int
     ) -> AsyncIterator[list[Event]]:

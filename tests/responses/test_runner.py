@@ -133,7 +133,8 @@ def runner_for(store: SQLiteStore, engine: FakeEngine, orphan_after_s: float = 6
 
 
 async def collect(runner: ResponseRunner, rid: str, after: int = -1, tenant: str = "t"):
-    return [event async for event in runner.follow(tenant, rid, after)]
+    batches = runner.follow_batches(tenant, rid, after)
+    return [event async for batch in batches for event in batch]
 
 
 def check_numbered(events: list[dict]) -> None:
