@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import httpx
@@ -103,9 +104,16 @@ def test_live_id_conflicts_and_a_cancelled_attempt_frees_it(serve_url, model_id)
             f"{serve_url}/v1/completions", json=long, headers={"X-Request-Id": rid}, timeout=30
         )
         assert dup.status_code == 409 and dup.json()["error"]["code"] == "request_id_in_use"
-    # The client left mid-stream: that attempt was cancelled, so the id starts a new one.
+    # The client left mid-stream: once the server has seen it go, that attempt is cancelled
+    # and the id starts a new one (until then the attempt is still live: 409, as above).
     short = {**long, "max_tokens": 3, "stream": False}
-    retry = httpx.post(
-        f"{serve_url}/v1/completions", json=short, headers={"X-Request-Id": rid}, timeout=30
-    )
+    deadline = time.monotonic() + 10
+    while True:
+        retry = httpx.post(
+            f"{serve_url}/v1/completions", json=short, headers={"X-Request-Id": rid}, timeout=30
+        )
+        if retry.status_code != 409 or time.monotonic() > deadline:
+            break
+        assert retry.json()["error"]["code"] == "request_id_in_use"
+        time.sleep(0.05)
     assert retry.status_code == 200 and retry.json()["usage"]["completion_tokens"] == 3
