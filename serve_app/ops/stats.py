@@ -1,10 +1,11 @@
 """The stats registry: what every engine replica reports, read by the admin API.
 
-Engine replicas push their stats to a named registry actor a few times a second
-(`StatsReporter`, a thread in each replica), and the engine timelines of requests that ended
-the same way (`serve_app.ops.timelines`). The admin server creates and reads the registry, so
-it sees every replica (a Serve handle call would reach only one), and the registry dies with
-it. Draining is a flag in the same registry.
+Engine replicas push their stats to a named registry actor a few times a second while
+they change, once a second while they do not (`StatsReporter`, a thread in each replica),
+and the engine timelines of requests that ended the same way (`serve_app.ops.timelines`).
+The admin server creates and reads the registry, so it sees every replica (a Serve handle
+call would reach only one), and the registry dies with it. Draining is a flag in the same
+registry.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from serve_app.ops.timelines import TimelineIndex
 REGISTRY_NAMESPACE = "serve-app"
 # A replica that has not reported for this long is gone (its entry is dropped).
 STALE_AFTER_S = 3.0
+# An engine replica whose stats did not change pushes them again this often.
+HEARTBEAT_S = 1.0
 # NOTE: the registry and the admin server live on the head node, like the HTTP proxy: a
 # loopback bind must be the head's loopback, and GPU nodes may come and go.
 HEAD_ONLY = {"node:__internal_head__": 0.001}
@@ -30,6 +33,25 @@ TOTALLED = ("kv_blocks_total", "kv_blocks_used", "running", "waiting", "held", "
 
 def registry_name(model_id: str) -> str:
     return f"stats:{model_id}"
+
+
+class ReportChanges:
+    """When a replica's stats are worth a push: when they changed since the last one, or
+    when `heartbeat_s` passed (the registry drops a replica silent for `STALE_AFTER_S`)."""
+
+    def __init__(self, heartbeat_s: float) -> None:
+        self.heartbeat_s = heartbeat_s
+        self.reset()
+
+    def reset(self) -> None:
+        self._last: dict[str, Any] | None = None
+        self._sent_at = 0.0
+
+    def due(self, stats: dict[str, Any], now: float) -> bool:
+        if stats == self._last and now - self._sent_at < self.heartbeat_s:
+            return False
+        self._last, self._sent_at = stats, now
+        return True
 
 
 class StatsRegistry:
@@ -98,15 +120,26 @@ class RegistryHandle:
 
 
 class StatsReporter:
-    """Runs in an engine replica: pushes `stats_fn()` to the registry every `period_s`, and
-    the entries `timelines_fn()` returns (those new since its last call) when there are any."""
+    """Runs in an engine replica: reads `stats_fn()` every `period_s` and pushes it to the
+    registry when it changed, or when `HEARTBEAT_S` passed since the last push (an idle
+    replica's stats do not change, and each push is a Ray call); `on_report(stats)` runs with
+    each push (the replica's gauges). The entries `timelines_fn()` returns (those new since
+    its last call) are pushed whenever there are any."""
 
     def __init__(
-        self, model_id: str, replica_id: str, stats_fn, period_s: float = 0.2, timelines_fn=None
+        self,
+        model_id: str,
+        replica_id: str,
+        stats_fn,
+        period_s: float = 0.2,
+        timelines_fn=None,
+        on_report=None,
     ):
         self.model_id, self.replica_id = model_id, replica_id
         self.stats_fn, self.period_s = stats_fn, period_s
         self.timelines_fn = timelines_fn
+        self.on_report = on_report
+        self.changes = ReportChanges(HEARTBEAT_S)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stats-reporter", daemon=True)
         self._thread.start()
@@ -118,11 +151,16 @@ class StatsReporter:
                 registry = find_registry(self.model_id)
                 if registry is None:
                     continue
+                self.changes.reset()
             try:
                 # A report to a registry that has died fails only when read: read the last.
                 if last_report is not None and ray.wait([last_report], timeout=0)[0]:
                     ray.get(last_report)
-                last_report = registry.report.remote(self.replica_id, self.stats_fn())
+                stats = self.stats_fn()
+                if self.changes.due(stats, time.monotonic()):
+                    last_report = registry.report.remote(self.replica_id, stats)
+                    if self.on_report is not None:
+                        self.on_report(stats)
                 entries = self.timelines_fn() if self.timelines_fn is not None else None
                 if entries:
                     registry.report_timelines.remote(self.replica_id, entries)

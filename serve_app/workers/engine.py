@@ -84,10 +84,15 @@ class EngineService:
         )
         self.flow = StallWatcher(config.model_id, self.engine.pause_reader)
         self.replica_id = _replica_id()
+        self._node_id: str | None = None
         self.channels = ChannelHub(self.replica_id, e.output_queue_size)
         self.timelines = TimelineRing(self.replica_id)
         self.reporter = StatsReporter(
-            config.model_id, self.replica_id, self._report, timelines_fn=self.timelines.take_new
+            config.model_id,
+            self.replica_id,
+            self.stats,
+            timelines_fn=self.timelines.take_new,
+            on_report=lambda stats: record_engine_gauges(self.replica_id, stats),
         )
         logger.info(
             "engine replica ready on %s (tp=%d, %d KV blocks)",
@@ -145,19 +150,16 @@ class EngineService:
         return self.timelines.lookup(request_id)
 
     def stats(self) -> dict[str, object]:
-        import ray
+        if self._node_id is None:
+            import ray
 
+            self._node_id = ray.get_runtime_context().get_node_id()
         return {
             **self.engine.stats(),
             **self.channels.stats(),
             "replica": self.replica_id,
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": self._node_id,
         }
-
-    def _report(self) -> dict[str, object]:
-        stats = self.stats()
-        record_engine_gauges(self.replica_id, stats)
-        return stats
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""
