@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from actors.deadlines import RequestRejected
 from actors.engine_core import EngineCore
@@ -46,6 +46,14 @@ class AsyncEngine:
         # with the attempt (finished, or its abort confirmed).
         self._streams: dict[str, OutputStream] = {}
         self._live_attempts: dict[str, str] = {}
+        # The window, counted on both sides (one writer each): outputs the step thread posted
+        # for an attempt, and outputs its consumer took. The step thread holds an attempt as
+        # soon as `capacity` are unread, however far the event loop lags behind it.
+        self._posted: dict[str, int] = {}
+        self._taken: dict[str, int] = {}
+        # Attempts the step thread holds for a full window (or was told to hold): read and
+        # written on the step thread only.
+        self._held_on_step: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         self.num_fenced_outputs = 0
@@ -105,6 +113,7 @@ class AsyncEngine:
         try:
             while True:
                 out, resume = await stream.pop()
+                self._taken[core_id] = self._taken.get(core_id, 0) + 1
                 if resume:
                     self._resume(core_id, stream)
                 yield out
@@ -112,6 +121,7 @@ class AsyncEngine:
                     return
         finally:
             self._live_attempts.pop(request_id, None)
+            self._taken.pop(core_id, None)
             if task is not None:
                 task.cancel()
             self._cancel_timer(stream)
@@ -156,10 +166,27 @@ class AsyncEngine:
         """The consumer is `capacity` outputs behind: stop scheduling it, keep its KV."""
         assert self._loop is not None
         stream.phase = Phase.HELD
-        self._submit(lambda core: core.hold(core_id))
+        self._submit(lambda core: self._hold_on_step(core, core_id))
+        self._start_hold_timer(core_id, stream)
+
+    def _start_hold_timer(self, core_id: str, stream: OutputStream) -> None:
+        assert self._loop is not None
         stream.hold_timer = self._loop.call_later(
             self.hold_timeout_s, self._expire_hold, core_id, stream
         )
+
+    def _held_by_step(self, core_id: str) -> None:
+        """The step thread held this attempt when its window filled, before this loop saw
+        the outputs that filled it: the hold now runs on this side as one of its own (its
+        deadline, its resume once the reader drained half)."""
+        stream = self._streams.get(core_id)
+        if stream is None or stream.phase is not Phase.RUNNING:
+            return  # held here already, or finished, or its consumer left
+        stream.phase = Phase.HELD
+        if stream.can_resume:  # the reader took what filled it meanwhile
+            self._resume(core_id, stream)
+        else:
+            self._start_hold_timer(core_id, stream)
 
     def pause_reader(self, request_id: str, paused: bool) -> None:
         """The reader's transport stopped (or resumed) taking outputs: hold the request now
@@ -177,7 +204,7 @@ class AsyncEngine:
     def _resume(self, core_id: str, stream: OutputStream) -> None:
         self._cancel_timer(stream)
         stream.phase = Phase.RUNNING
-        self._submit(lambda core: core.resume(core_id))
+        self._submit(lambda core: self._resume_on_step(core, core_id))
 
     def _expire_hold(self, core_id: str, stream: OutputStream) -> None:
         if stream.phase is not Phase.HELD:
@@ -210,7 +237,7 @@ class AsyncEngine:
             return
         self._submit(lambda core: core.set_constraints(core_id, constraints))
 
-    def _deliver(self, outputs: list[RequestOutput], step: int) -> None:
+    def _deliver(self, outputs: list[RequestOutput], step: int, held: Sequence[str] = ()) -> None:
         for out in outputs:
             core_id = out.request_id
             stream = self._streams.get(core_id)
@@ -230,8 +257,35 @@ class AsyncEngine:
             if out.finished:
                 self._cancel_timer(stream)
                 del self._streams[core_id]
+        for core_id in held:
+            self._held_by_step(core_id)
 
     # -------------------------------------------------------------- step-thread side
+    def _hold_on_step(self, core: EngineCore, core_id: str) -> None:
+        self._held_on_step.add(core_id)
+        core.hold(core_id)
+
+    def _resume_on_step(self, core: EngineCore, core_id: str) -> None:
+        self._held_on_step.discard(core_id)
+        core.resume(core_id)
+
+    def _count_window(self, outputs: list[RequestOutput]) -> list[str]:
+        """Count each attempt's posted outputs; hold those whose consumer now has `capacity`
+        unread, and return them (the event loop learns with these outputs)."""
+        held = []
+        for out in outputs:
+            core_id = out.request_id
+            if out.finished:
+                self._posted.pop(core_id, None)
+                self._held_on_step.discard(core_id)
+                continue
+            posted = self._posted[core_id] = self._posted.get(core_id, 0) + 1
+            unread = posted - self._taken.get(core_id, 0)
+            if unread >= self.output_queue_size and core_id not in self._held_on_step:
+                self._hold_on_step(self.core, core_id)
+                held.append(core_id)
+        return held
+
     def _main(self, core: EngineCore | Callable[[], EngineCore]) -> None:
         # Given a factory, the core (weights, KV cache, the profiling forward) is built on
         # this thread, so every torch op of the process runs on one thread. OpenMP gives each
@@ -262,7 +316,9 @@ class AsyncEngine:
             except Exception:
                 logger.exception("engine step raised; failing every live request")
                 outputs = self.core.fail_all("internal engine error")
-            self._post(outputs, self._steps_begun)
+            # Counted before they are posted: the event loop rewrites each output's id.
+            held = self._count_window(outputs)
+            self._post(outputs, self._steps_begun, held)
             if self.core.num_steps == ran and not outputs:
                 # Live requests but nothing to run (all waiting for a grammar, or held): wait
                 # for a command instead of spinning, which took a core and the GIL from the
@@ -270,9 +326,9 @@ class AsyncEngine:
                 self._wake.wait(timeout=_IDLE_POLL_S)
                 self._wake.clear()
 
-    def _post(self, outputs: list[RequestOutput], step: int) -> None:
+    def _post(self, outputs: list[RequestOutput], step: int, held: Sequence[str] = ()) -> None:
         if outputs and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._deliver, outputs, step)
+            self._loop.call_soon_threadsafe(self._deliver, outputs, step, held)
 
     def _drain_commands(self) -> None:
         while True:
@@ -295,6 +351,7 @@ class AsyncEngine:
             "fenced_outputs": self.num_fenced_outputs,
             "outputs_after_cancel": self.num_outputs_after_cancel,
             "slow_consumer_cancels": self.num_slow_consumer_cancels,
+            "unread_outputs": sum(s.unread for s in self._streams.values()),
         }
 
     def is_healthy(self) -> bool:

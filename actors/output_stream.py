@@ -32,8 +32,9 @@ class OutputStream:
 
     Pushing never blocks (the step thread must not wait on a slow reader): `push` reports
     when the window just filled so the caller can hold the request, and `pop` reports when
-    it drained to half so the caller can resume it. One extra step's output may land after
-    the hold (the step in flight), so the window overshoots by at most one item per step.
+    it drained to half so the caller can resume it. The step thread also counts the window
+    itself (`AsyncEngine`) and holds the request at `capacity` unread outputs, so however
+    late the event loop delivers, the window never overshoots.
     """
 
     def __init__(self, request_id: str, attempt: int, capacity: int):
@@ -64,6 +65,10 @@ class OutputStream:
         if self.phase is Phase.QUEUED:
             self.phase = Phase.RUNNING
         return self.phase is Phase.RUNNING and len(self._items) >= self.capacity
+
+    @property
+    def unread(self) -> int:
+        return len(self._items)
 
     @property
     def can_resume(self) -> bool:

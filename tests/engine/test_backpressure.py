@@ -128,6 +128,29 @@ def test_a_paused_reader_is_held_at_once_hands_out_nothing_and_resumes_unchanged
     run_with_engine(llm, scenario, output_queue_size=64, hold_timeout_s=60)
 
 
+def test_the_window_holds_while_the_event_loop_lags_then_streams_on_unchanged(llm):
+    """The step thread counts what it posted against what the reader took: an event loop
+    that stalls (a busy replica) does not let a request run past its window meanwhile."""
+    reference = token_ids_of_full_run(llm)
+
+    async def scenario(engine: AsyncEngine) -> None:
+        gen = engine.generate("lagging", PROMPT, LONG)
+        outs: list = []
+        await read(gen, outs, 1)
+        # The loop stalls for far longer than the 120 steps the request needs.
+        time.sleep(1.0)
+        await wait_for(lambda: engine.stats()["held"] == 1)
+        await asyncio.sleep(0.1)  # every posted output delivered
+        unread = engine.stats()["unread_outputs"]
+        assert unread == 4, unread  # the window, exactly: nothing ran past it
+        await collect(gen, outs)
+        assert token_ids(outs) == reference
+        assert outs[-1].deltas[-1].finish_reason is FinishReason.LENGTH
+        await wait_for(lambda: engine.stats()["live_requests"] == 0)
+
+    run_with_engine(llm, scenario, output_queue_size=4, hold_timeout_s=60)
+
+
 def token_ids_of_full_run(llm: LLM) -> list[int]:
     return llm.generate([PROMPT], LONG)[0].outputs[0].token_ids
 
