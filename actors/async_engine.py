@@ -163,7 +163,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- backpressure
     def _hold(self, core_id: str, stream: OutputStream) -> None:
-        """The consumer is `capacity` outputs behind: stop scheduling it, keep its KV."""
+        """The reader paused: stop scheduling it, keep its KV."""
         assert self._loop is not None
         stream.phase = Phase.HELD
         self._submit(lambda core: self._hold_on_step(core, core_id))
@@ -176,9 +176,9 @@ class AsyncEngine:
         )
 
     def _held_by_step(self, core_id: str) -> None:
-        """The step thread held this attempt when its window filled, before this loop saw
-        the outputs that filled it: the hold now runs on this side as one of its own (its
-        deadline, its resume once the reader drained half)."""
+        """The step thread held this attempt when its window filled (its consumer
+        `capacity` outputs behind, the outputs delivered with this call): the hold runs here
+        from now on (its deadline, its resume once the reader drained half)."""
         stream = self._streams.get(core_id)
         if stream is None or stream.phase is not Phase.RUNNING:
             return  # held here already, or finished, or its consumer left
@@ -252,8 +252,7 @@ class AsyncEngine:
                         self.num_outputs_after_cancel += 1
                 continue
             out.request_id, out.attempt = stream.request_id, stream.attempt
-            if stream.push(out):
-                self._hold(core_id, stream)
+            stream.push(out)
             if out.finished:
                 self._cancel_timer(stream)
                 del self._streams[core_id]

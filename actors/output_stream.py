@@ -30,11 +30,10 @@ class Phase(StrEnum):
 class OutputStream:
     """A FIFO of RequestOutputs with a high-water mark.
 
-    Pushing never blocks (the step thread must not wait on a slow reader): `push` reports
-    when the window just filled so the caller can hold the request, and `pop` reports when
-    it drained to half so the caller can resume it. The step thread also counts the window
-    itself (`AsyncEngine`) and holds the request at `capacity` unread outputs, so however
-    late the event loop delivers, the window never overshoots.
+    Pushing never blocks (the step thread must not wait on a slow reader). The step thread
+    counts the window itself (`AsyncEngine`) and holds the request at `capacity` unread
+    outputs, so however late the event loop delivers, the window never overshoots; `pop`
+    reports when it drained to half so the caller can resume it.
     """
 
     def __init__(self, request_id: str, attempt: int, capacity: int):
@@ -55,16 +54,14 @@ class OutputStream:
     def is_open(self) -> bool:
         return self.phase not in (Phase.FINISHED, Phase.CANCELLING, Phase.RELEASED)
 
-    def push(self, out: RequestOutput) -> bool:
-        """Queue one output; True when the request should now be held."""
+    def push(self, out: RequestOutput) -> None:
+        """Queue one output (the step thread decides holds: `AsyncEngine._count_window`)."""
         self._items.append(out)
         self._ready.set()
         if out.finished:
             self.phase = Phase.FINISHED
-            return False
-        if self.phase is Phase.QUEUED:
+        elif self.phase is Phase.QUEUED:
             self.phase = Phase.RUNNING
-        return self.phase is Phase.RUNNING and len(self._items) >= self.capacity
 
     @property
     def unread(self) -> int:
