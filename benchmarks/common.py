@@ -241,6 +241,47 @@ def serve_cpu_seconds() -> dict[str, float]:
     return totals
 
 
+def step_thread_schedstat() -> dict[str, tuple[int, int]]:
+    """Per engine step thread (named `ENGINE_THREAD_PREFIX*`, in any Serve replica or Ray
+    worker on this machine): nanoseconds on a CPU and waiting for one while runnable, from
+    /proc/PID/task/TID/schedstat."""
+    from actors.torch_thread import ENGINE_THREAD_PREFIX
+
+    out: dict[str, tuple[int, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not (entry / "cmdline").read_bytes().startswith(b"ray::"):
+                continue
+            for task in (entry / "task").iterdir():
+                if (task / "comm").read_text().startswith(ENGINE_THREAD_PREFIX):
+                    run, wait, _ = (task / "schedstat").read_text().split()
+                    out[f"{entry.name}/{task.name}"] = (int(run), int(wait))
+        except (OSError, ValueError):  # a process or thread that ended while read
+            continue
+    return out
+
+
+def step_thread_shares(
+    before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], seconds: float
+) -> dict:
+    """Where the engine's step threads spent a level's wall time, averaged over the threads:
+    `running`; `waiting_for_cpu` (runnable, another thread on the core); `off_cpu` (the rest:
+    the GIL, an OpenMP barrier, no work)."""
+    threads = [t for t in after if t in before]
+    if not threads or seconds <= 0:
+        return {"threads": 0}
+    run = sum(after[t][0] - before[t][0] for t in threads) / 1e9 / seconds / len(threads)
+    wait = sum(after[t][1] - before[t][1] for t in threads) / 1e9 / seconds / len(threads)
+    return {
+        "threads": len(threads),
+        "running": run,
+        "waiting_for_cpu": wait,
+        "off_cpu": max(0.0, 1.0 - run - wait),
+    }
+
+
 def serving_cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict:
     """CPU ms per output token, by role, between two `serve_cpu_seconds` readings; `serving`
     sums the path outside the engine's step threads."""

@@ -43,6 +43,8 @@ from common import (  # noqa: E402
     free_port,
     percentile,
     resolve_model,
+    step_thread_schedstat,
+    step_thread_shares,
     stream_summary,
     text_prompts,
     tree_cpu_seconds,
@@ -184,9 +186,10 @@ async def run_level(
     tokenizer: Any,
     extra: dict,
 ) -> dict:
-    """`requests` through `concurrency` closed-loop clients; latency percentiles, tokens/s and
-    the server's CPU-seconds per output token."""
+    """`requests` through `concurrency` closed-loop clients; latency percentiles, tokens/s,
+    the server's CPU-seconds per output token and (ours) where its step threads' time went."""
     cpu_before = tree_cpu_seconds(server.proc.pid)
+    sched_before = step_thread_schedstat()
     async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=256)) as client:
 
         async def send(item: Prompt) -> dict:
@@ -196,6 +199,7 @@ async def run_level(
 
         results, seconds = await closed_loop(requests, concurrency, send)
     cpu = tree_cpu_seconds(server.proc.pid) - cpu_before
+    sched = step_thread_shares(sched_before, step_thread_schedstat(), seconds)
     chunks = sum(r["chunks"] for r in results)
     summary = stream_summary(results, seconds)
     tpot = [r["tpot"] for r in results if r["tpot"] is not None]
@@ -205,6 +209,7 @@ async def run_level(
         "tpot_ms": {"p50": percentile(tpot, 50) * 1e3, "p99": percentile(tpot, 99) * 1e3},
         "tokens_per_chunk": summary["output_tokens"] / max(1, chunks),
         "server_cpu_s_per_output_token": cpu / max(1, summary["output_tokens"]),
+        **({"engine_step_threads": sched} if sched["threads"] else {}),
     }
 
 

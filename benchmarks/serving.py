@@ -28,6 +28,8 @@ from common import (  # noqa: E402
     resolve_model,
     serve_cpu_seconds,
     serving_cpu_per_token,
+    step_thread_schedstat,
+    step_thread_shares,
     stream_summary,
     write_json,
 )
@@ -111,13 +113,15 @@ async def http_level(url, model, requests, concurrency, extra=None) -> dict:
 
 
 def accounted_level(url, model, requests, concurrency) -> dict:
-    """One HTTP level with the serving path's CPU per output token, process by process."""
-    before = serve_cpu_seconds()
+    """One HTTP level with the serving path's CPU per output token, process by process, and
+    where the engine's step threads spent the level."""
+    before, sched = serve_cpu_seconds(), step_thread_schedstat()
     level = asyncio.run(http_level(url, model, requests, concurrency))
     after = serve_cpu_seconds()
     return {
         **level,
         "cpu_ms_per_token": serving_cpu_per_token(before, after, level["output_tokens"]),
+        "engine_step_threads": step_thread_shares(sched, step_thread_schedstat(), level["seconds"]),
     }
 
 

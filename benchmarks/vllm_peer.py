@@ -8,7 +8,9 @@ fail to import, and text serving never uses them).
 
 `engine_to_engine()` times our offline `LLM.generate` here and vLLM's in that venv on the same
 requests: run as a script there (`python vllm_peer.py offline REQUESTS.json OUT.json`), this
-file times vLLM's side.
+file times vLLM's side. Beside the mixed requests both sides time three phases alone
+(`PHASES`): prefill only, and decode at batch 16 and 64 with short prompts, so a gap in the
+mixed figure can be told apart as prefill or decode speed.
 """
 
 from __future__ import annotations
@@ -83,13 +85,21 @@ def server_argv(model: str, port: int, dtype: str, served_name: str) -> list[str
     return argv + ["--max-model-len", "2048"]
 
 
-def offline(requests: list[tuple[list[int], int]], model: str, threads: int, dtype: str) -> dict:
-    """vLLM's `LLM.generate` on `requests` in its own venv and process; what it measured."""
+def offline(
+    requests: list[tuple[list[int], int]],
+    model: str,
+    threads: int,
+    dtype: str,
+    phases: dict[str, list[tuple[list[int], int]]] | None = None,
+) -> dict:
+    """vLLM's `LLM.generate` on `requests` (then on each phase's) in its own venv and process;
+    what it measured."""
     ensure_venv()
     with tempfile.TemporaryDirectory(prefix="vllm-offline-") as scratch:
         req = Path(scratch) / "requests.json"
         out = Path(scratch) / "result.json"
-        req.write_text(json.dumps({"model": model, "dtype": dtype, "requests": requests}))
+        spec = {"model": model, "dtype": dtype, "requests": requests, "phases": phases or {}}
+        req.write_text(json.dumps(spec))
         argv = [python(), __file__, "offline", str(req), str(out)]
         done = subprocess.run(
             argv, env=environment(threads, scratch), capture_output=True, text=True, timeout=1800
@@ -103,6 +113,47 @@ def offline(requests: list[tuple[list[int], int]], model: str, threads: int, dty
 
 OFFLINE_REQUESTS = 64
 
+# (name, requests, prompt tokens, output tokens, what is counted): each phase on prompts of its
+# own, all in the engine at once. Prefill: one output token, so the time is the prompts'
+# forward. Decode: 16-token prompts, so the time is the decode steps at that batch.
+PHASES = (
+    ("prefill", 32, 256, 1, "prompt"),
+    ("decode_b16", 16, 16, 128, "output"),
+    ("decode_b64", 64, 16, 128, "output"),
+)
+
+
+def phase_requests(vocab: int) -> dict[str, list[tuple[list[int], int]]]:
+    from common import mixed_requests
+
+    return {
+        name: mixed_requests(n, vocab, (plen,) * 2, (out,) * 2, seed=1000 + i)
+        for i, (name, n, plen, out, _) in enumerate(PHASES)
+    }
+
+
+def phase_tok_s(name: str, requests: list[tuple[list[int], int]], seconds: float) -> float:
+    counted = next(c for n, *_, c in PHASES if n == name)
+    tokens = sum(len(ids) if counted == "prompt" else out for ids, out in requests)
+    return tokens / seconds
+
+
+def compare_phases(phases: dict, ours_s: dict[str, float], vllm_s: dict[str, float]) -> dict:
+    out = {}
+    for name, n, plen, max_tokens, counted in PHASES:
+        ours = phase_tok_s(name, phases[name], ours_s[name])
+        theirs = phase_tok_s(name, phases[name], vllm_s[name])
+        out[name] = {
+            "requests": n,
+            "prompt_tokens": plen,
+            "max_tokens": max_tokens,
+            "counted": f"{counted} tokens/s",
+            "ours_tok_s": ours,
+            "vllm_tok_s": theirs,
+            "ratio": ours / theirs,
+        }
+    return out
+
 
 def engine_to_engine(path: str, threads: int, dtype: str) -> dict:
     """Ours and vLLM's offline `LLM.generate` on the same 64 mixed requests (prompts 16-512
@@ -115,20 +166,30 @@ def engine_to_engine(path: str, threads: int, dtype: str) -> dict:
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
     requests = mixed_requests(OFFLINE_REQUESTS, vocab)
+    phases = phase_requests(vocab)
     torch.set_num_threads(threads)
     kv_cache_bytes = KV_CACHE_GIB * 1024**3
     with LLM(model=path, dtype=dtype, max_model_len=2048, kv_cache_bytes=kv_cache_bytes) as llm:
         warm = SamplingParams(max_tokens=8, temperature=0)
         llm.generate([p for p, _ in requests[:2]], warm)
-        params = [
-            SamplingParams(max_tokens=m, min_tokens=m, temperature=0, ignore_eos=True)
-            for _, m in requests
-        ]
+
+        def exact_params(reqs):
+            return [
+                SamplingParams(max_tokens=m, min_tokens=m, temperature=0, ignore_eos=True)
+                for _, m in reqs
+            ]
+
+        params = exact_params(requests)
         with Timer() as t:
             results = llm.generate([p for p, _ in requests], params)
+        ours_phases = {}
+        for name, reqs in phases.items():
+            with Timer() as phase:
+                llm.generate([p for p, _ in reqs], exact_params(reqs))
+            ours_phases[name] = phase.seconds
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     ours = {"seconds": t.seconds, "output_tokens": tokens, "tok_s": tokens / t.seconds}
-    theirs = offline(requests, path, threads, dtype)
+    theirs = offline(requests, path, threads, dtype, phases)
     return {
         "requests": OFFLINE_REQUESTS,
         "prompt_tokens_range": [16, 512],
@@ -136,6 +197,7 @@ def engine_to_engine(path: str, threads: int, dtype: str) -> dict:
         "ours": ours,
         "vllm": theirs,
         "ratio": ours["tok_s"] / theirs["tok_s"],
+        "phases": compare_phases(phases, ours_phases, theirs.pop("phase_seconds")),
     }
 
 
@@ -147,18 +209,23 @@ def _offline_main(requests_path: str, out_path: str) -> None:
     started = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=2048, seed=0)
     load_s = time.perf_counter() - started
-    requests = spec["requests"]
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
-    params = [
-        SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, ignore_eos=True)
-        for _, m in requests
-    ]
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=8, temperature=0.0)] * 2, use_tqdm=False)
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
+
+    def timed(requests):
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
+        params = [
+            SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, ignore_eos=True)
+            for _, m in requests
+        ]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return outputs, time.perf_counter() - started
+
+    warm = [TokensPrompt(prompt_token_ids=ids) for ids, _ in spec["requests"][:2]]
+    llm.generate(warm, [SamplingParams(max_tokens=8, temperature=0.0)] * 2, use_tqdm=False)
+    outputs, seconds = timed(spec["requests"])
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds}
+    result["phase_seconds"] = {name: timed(reqs)[1] for name, reqs in spec["phases"].items()}
     result |= {"load_s": load_s, "version": VERSION}
     Path(out_path).write_text(json.dumps(result))
 
