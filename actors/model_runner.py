@@ -28,6 +28,7 @@ from actors.messages import (
 from actors.models.loader import build_model
 from actors.parallel_state import get_tp_group
 from actors.platform import (
+    cpu_prefill_attention,
     inplace_decode_attention,
     kv_cache_budget_bytes,
     persistent_decode_gather,
@@ -76,12 +77,14 @@ class ModelRunner:
         # Decode reads the paged cache in place where the engine's CPU kernel runs; else
         # (CUDA, or no compiler) it gathers each bucket's blocks for torch's matmuls.
         self.in_place_decode = inplace_decode_attention(device)
-        if self.in_place_decode:
-            self.backend: TorchPagedAttention = InPlacePagedAttention(
-                heads, kv_heads, model_config.head_dim, model_config.sliding_window
-            )
-        else:
-            self.backend = TorchPagedAttention(heads, kv_heads, model_config.head_dim)
+        backend = InPlacePagedAttention if self.in_place_decode else TorchPagedAttention
+        self.backend: TorchPagedAttention = backend(
+            heads,
+            kv_heads,
+            model_config.head_dim,
+            model_config.sliding_window,
+            prefill_kernel=cpu_prefill_attention(device),
+        )
         if build is None:
             self.model = build_model(model_config, self.backend, device)
         else:  # a model made of another's parts (the self-draft's)

@@ -76,6 +76,19 @@ def inplace_decode_attention(device: torch.device) -> bool:
     return kernels.available()
 
 
+def cpu_prefill_attention(device: torch.device) -> bool:
+    """fp32 prefill attention through the engine's own CPU kernel
+    (actors/csrc/prefill_attention.cpp: causal over the chunk's cached prefix, each key and
+    value loaded once for its whole group of query heads), unless
+    `SERVE_APP_PREFILL_ATTENTION=sdpa` or the kernels cannot be built here. Other dtypes,
+    head dims and windowed chunks, and CUDA, keep torch's SDPA."""
+    if device.type != "cpu" or os.environ.get("SERVE_APP_PREFILL_ATTENTION", "") == "sdpa":
+        return False
+    from actors.layers import kernels
+
+    return kernels.available()
+
+
 def fused_cpu_ops(device: torch.device) -> bool:
     """RMSNorm (with its residual add), rotary and SiLU-and-mul each as one pass of the
     engine's own CPU kernels (actors/csrc/fused_ops.cpp) instead of a chain of torch ops,

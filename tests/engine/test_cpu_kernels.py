@@ -4,8 +4,9 @@ Decode attention reads each sequence's blocks where they lie in the paged cache,
 what attention over the same keys and values laid out contiguously gives: for every head
 layout, head dim, window and dtype the engine serves, with several query rows per sequence
 (the verification shape of speculative decoding), and independent of the other rows in the
-call. The fused small ops (RMSNorm with its residual add, rotary, SiLU-and-mul) must give what
-the torch modules they replace give."""
+call. Prefill attention must give what torch's causal SDPA gives over the same chunk and cached
+prefix, on the engine's own strided views. The fused small ops (RMSNorm with its residual add,
+rotary, SiLU-and-mul) must give what the torch modules they replace give."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def test_the_project_builds_its_kernels_on_this_machine():
     # engine silently runs the slower gathering path.
     assert kernels.available()
     assert platform.inplace_decode_attention(torch.device("cpu"))
+    assert platform.cpu_prefill_attention(torch.device("cpu"))
     assert platform.fused_cpu_ops(torch.device("cpu"))
 
 
@@ -137,13 +139,73 @@ def test_bad_arguments_raise_naming_the_problem():
         _call(q, k_cache, v_cache, [[0, 1]], [0, 0], [5, 5])
 
 
+def _prefill_inputs(heads, kv_heads, d, q_len, ctx, seed=5):
+    """q, k, v as the engine hands them over: per-head views of one QKV projection output
+    for a first chunk, a gathered (kv_heads, ctx, d) prefix for a chunk after cached tokens."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(q_len, (heads + 2 * kv_heads) * d, generator=g)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    q = q.view(q_len, heads, d).transpose(0, 1)
+    if ctx == q_len:
+        k = k.view(q_len, kv_heads, d).transpose(0, 1)
+        v = v.view(q_len, kv_heads, d).transpose(0, 1)
+    else:
+        k = torch.randn(kv_heads, ctx, d, generator=g)
+        v = torch.randn(kv_heads, ctx, d, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d"),
+    [(9, 3, 64), (8, 4, 64), (4, 4, 128), (4, 1, 64)],
+    ids=["smollm2", "bench", "mha-128", "mqa"],
+)
+@pytest.mark.parametrize(
+    ("q_len", "ctx"),
+    [(1, 1), (37, 37), (200, 200), (21, 70), (1, 33)],
+    ids=["one-token", "block-edges", "long", "after-cached", "one-after-cached"],
+)
+def test_prefill_attention_matches_causal_sdpa(heads, kv_heads, d, q_len, ctx):
+    q, k, v = _prefill_inputs(heads, kv_heads, d, q_len, ctx)
+    scale = 1.0 / math.sqrt(d)
+    # Query position i sees the cached prefix and the chunk up to itself.
+    mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(ctx - q_len)
+    want = F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
+        enable_gqa=heads != kv_heads,
+    )[0].transpose(0, 1).reshape(q_len, heads * d)  # fmt: skip
+    out = torch.ops.serve_app.prefill_attention(q, k, v, scale)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_positions_result_does_not_depend_on_later_positions():
+    q, k, v = _prefill_inputs(9, 3, 64, 150, 150)
+    whole = torch.ops.serve_app.prefill_attention(q, k, v, 0.125)
+    first = torch.ops.serve_app.prefill_attention(q[:, :61], k[:, :61], v[:, :61], 0.125)
+    assert torch.equal(whole[:61], first)  # bit for bit
+
+
+def test_prefill_attention_refuses_what_it_does_not_take():
+    q, k, v = _prefill_inputs(8, 4, 64, 10, 10)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.serve_app.prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.1)
+    q48, k48, v48 = _prefill_inputs(8, 4, 48, 10, 10)
+    with pytest.raises(RuntimeError, match="head dims 64 and 128"):
+        torch.ops.serve_app.prefill_attention(q48, k48, v48, 0.1)
+    with pytest.raises(RuntimeError, match="more query positions than keys"):
+        torch.ops.serve_app.prefill_attention(q, k[:, :5], v[:, :5], 0.1)
+
+
 def test_cuda_keeps_torchs_ops_and_the_cpu_kernels_can_be_switched_off(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert platform.inplace_decode_attention(cuda) is False
+    assert platform.cpu_prefill_attention(cuda) is False
     assert platform.fused_cpu_ops(cuda) is False
     monkeypatch.setenv("SERVE_APP_DECODE_ATTENTION", "gather")
+    monkeypatch.setenv("SERVE_APP_PREFILL_ATTENTION", "sdpa")
     monkeypatch.setenv("SERVE_APP_CPU_FUSED_OPS", "0")
     assert platform.inplace_decode_attention(cpu) is False
+    assert platform.cpu_prefill_attention(cpu) is False
     assert platform.fused_cpu_ops(cpu) is False
 
 

@@ -1,0 +1,225 @@
+// Causal prefill attention for one sequence, for CPU, fp32, head dims 64 and 128.
+//
+// q is (heads, q_len, dim) and k, v are (kv_heads, ctx_len, dim), any strides with unit
+// stride along dim (the projection's output seen per head, or a gathered cache). Query row i
+// attends keys [0, ctx_len - q_len + i]: a first chunk (ctx_len == q_len) or a later chunk
+// after cached tokens. The output is (q_len, heads * dim).
+//
+// torch's fused CPU kernel reaches about a fifth of this core's fp32 peak at these shapes
+// (heads of 64, prompts of a few hundred tokens). Here the work is split over (KV head, block
+// of 16 query positions); a task takes the block's rows of every query head sharing that KV
+// head, so each key and value it loads serves the whole group:
+//  1. scores: the group's rows against K, which is laid out once per KV head as (dim, keys)
+//     so that sixteen keys are one vector and each query element is a broadcast;
+//  2. softmax per row over its causal prefix, in place (fast_exp, as the decode kernel);
+//  3. the output: the probabilities against V, rows four (dim 64) or two (dim 128) at a time
+//     with their accumulators in registers.
+// A sequence's numbers depend only on its own tokens.
+//
+// Built by actors/layers/kernels.py with the machine's own compiler on first use.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+typedef float f16v __attribute__((vector_size(64)));
+
+constexpr int64_t kQueryBlock = 16;  // query positions per task
+constexpr int64_t kKeyBlock = 32;    // keys per score tile (two vectors)
+
+inline f16v load(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
+
+struct Strides {
+  int64_t head, pos;
+};
+
+// K of one KV head as (dim, keys), keys padded to kKeyBlock with zeros. Sixteen keys at a
+// time, so that each write is one whole cache line and the sixteen rows read stay in L1.
+template <int D>
+void transpose_keys(const float* k, Strides ks, int64_t ctx, int64_t padded, float* kt) {
+  for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, ctx - t0));
+    for (int dd = 0; dd < D; ++dd) {
+      float* dst = kt + dd * padded + t0;
+      for (int64_t t = 0; t < n; ++t) dst[t] = k[(t0 + t) * ks.pos + dd];
+      for (int64_t t = n; t < 16; ++t) dst[t] = 0.0f;
+    }
+  }
+}
+
+// scores[r][t] = q_r . k_t for the task's rows against keys [0, keys).
+template <int D>
+void score_rows(const float* const* rows, int64_t num_rows, const float* kt, int64_t padded,
+                int64_t keys, float* scores, int64_t stride) {
+  for (int64_t kb = 0; kb < keys; kb += kKeyBlock) {
+    int64_t r = 0;
+    for (; r + 4 <= num_rows; r += 4) {
+      const float *q0 = rows[r], *q1 = rows[r + 1], *q2 = rows[r + 2], *q3 = rows[r + 3];
+      f16v a0{}, b0{}, a1{}, b1{}, a2{}, b2{}, a3{}, b3{};
+      for (int dd = 0; dd < D; ++dd) {
+        const f16v k0 = load(kt + dd * padded + kb), k1 = load(kt + dd * padded + kb + 16);
+        a0 += k0 * q0[dd], b0 += k1 * q0[dd];
+        a1 += k0 * q1[dd], b1 += k1 * q1[dd];
+        a2 += k0 * q2[dd], b2 += k1 * q2[dd];
+        a3 += k0 * q3[dd], b3 += k1 * q3[dd];
+      }
+      float* s = scores + r * stride + kb;
+      store(s, a0), store(s + 16, b0);
+      store(s + stride, a1), store(s + stride + 16, b1);
+      store(s + 2 * stride, a2), store(s + 2 * stride + 16, b2);
+      store(s + 3 * stride, a3), store(s + 3 * stride + 16, b3);
+    }
+    for (; r < num_rows; ++r) {
+      const float* q0 = rows[r];
+      f16v a0{}, b0{};
+      for (int dd = 0; dd < D; ++dd) {
+        a0 += load(kt + dd * padded + kb) * q0[dd];
+        b0 += load(kt + dd * padded + kb + 16) * q0[dd];
+      }
+      store(scores + r * stride + kb, a0), store(scores + r * stride + kb + 16, b0);
+    }
+  }
+}
+
+// softmax(scale * s) over s[0, n) in place, zeros over [n, keys); returns 1 / the sum.
+inline float softmax_row(float* s, int64_t n, int64_t keys, float scale) {
+  float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+  for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = fast_exp((s[t] - top) * scale);
+    sum += s[t];
+  }
+  std::fill(s + n, s + keys, 0.0f);
+  return 1.0f / sum;
+}
+
+// out_r = inv_r * sum_t p[r][t] v_t for R rows at a time over keys [0, n).
+template <int D, int R>
+void weigh_values(const float* const* probs, const float* inv, int64_t n, const float* v,
+                  int64_t v_pos, float* const* outs) {
+  constexpr int C = D / 16;
+  f16v acc[R][C] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vr = v + t * v_pos;
+    f16v vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load(vr + 16 * c);
+    for (int x = 0; x < R; ++x) {
+      const float p = probs[x][t];
+      for (int c = 0; c < C; ++c) acc[x][c] += vv[c] * p;
+    }
+  }
+  for (int x = 0; x < R; ++x)
+    for (int c = 0; c < C; ++c) store(outs[x] + 16 * c, acc[x][c] * inv[x]);
+}
+
+template <int D>
+void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                    at::Tensor& out) {
+  const int64_t heads = q.size(0), q_len = q.size(1), kv_heads = k.size(0), ctx = k.size(1);
+  const int64_t group = heads / kv_heads, offset = ctx - q_len;
+  const int64_t padded = (ctx + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const Strides qs{q.stride(0), q.stride(1)}, ks{k.stride(0), k.stride(1)};
+  const Strides vs{v.stride(0), v.stride(1)};
+  const float sc = static_cast<float>(scale);
+  constexpr int R = D == 64 ? 4 : 2;
+
+  std::vector<float> kt(static_cast<size_t>(kv_heads * D * padded));
+  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      transpose_keys<D>(kp + h * ks.head, ks, ctx, padded, kt.data() + h * D * padded);
+  });
+
+  const int64_t blocks = (q_len + kQueryBlock - 1) / kQueryBlock;
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const float*> rows, probs;
+    std::vector<float*> outs;
+    std::vector<float> inv;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / blocks, i0 = (task % blocks) * kQueryBlock;
+      const int64_t i1 = std::min(q_len, i0 + kQueryBlock);
+      const int64_t num_rows = (i1 - i0) * group;
+      const int64_t keys = offset + i1;  // the last row's causal prefix
+      const int64_t tiled = (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+      scores.resize(static_cast<size_t>(num_rows * tiled));
+      rows.resize(num_rows), probs.resize(num_rows), outs.resize(num_rows), inv.resize(num_rows);
+      // Row r: query position i0 + r / group of head h * group + r % group.
+      for (int64_t r = 0; r < num_rows; ++r) {
+        const int64_t i = i0 + r / group, head = h * group + r % group;
+        rows[r] = qp + head * qs.head + i * qs.pos;
+        probs[r] = scores.data() + r * tiled;
+        outs[r] = op + (i * heads + head) * D;
+      }
+      score_rows<D>(rows.data(), num_rows, kt.data() + h * D * padded, padded, keys,
+                    scores.data(), tiled);
+      for (int64_t r = 0; r < num_rows; ++r) {
+        const int64_t seen = offset + i0 + r / group + 1;
+        inv[r] = softmax_row(scores.data() + r * tiled, seen, keys, sc);
+      }
+      const float* vh = vp + h * vs.head;
+      int64_t r = 0;
+      for (; r + R <= num_rows; r += R) {
+        // Rows are in position order: the last of the R sees the most keys.
+        const int64_t seen = offset + i0 + (r + R - 1) / group + 1;
+        weigh_values<D, R>(&probs[r], &inv[r], seen, vh, vs.pos, &outs[r]);
+      }
+      for (; r < num_rows; ++r) {
+        const int64_t seen = offset + i0 + r / group + 1;
+        weigh_values<D, 1>(&probs[r], &inv[r], seen, vh, vs.pos, &outs[r]);
+      }
+    }
+  });
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "q, k, v must be (heads, tokens, dim)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "prefill_attention takes float32");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "the head dim must be contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes(), "K and V differ in shape");
+  TORCH_CHECK(q.size(2) == k.size(2), "q and K differ in head dim");
+  TORCH_CHECK(q.size(0) % k.size(0) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(1) <= k.size(1), "more query positions than keys");
+  at::Tensor out = at::empty({q.size(1), q.size(0) * q.size(2)}, q.options());
+  if (q.size(1) == 0) return out;
+  if (q.size(2) == 64) prefill_kernel<64>(q, k, v, scale, out);
+  else if (q.size(2) == 128) prefill_kernel<128>(q, k, v, scale, out);
+  else TORCH_CHECK(false, "prefill_attention takes head dims 64 and 128");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(serve_app, m) {
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(serve_app, CPU, m) { m.impl("prefill_attention", prefill_attention); }
