@@ -20,7 +20,7 @@ from actors.output_stream import OutputStream, Phase
 from actors.outputs import RequestOutput
 from actors.request import FinishReason
 from actors.sampling_params import SamplingParams
-from actors.torch_thread import ENGINE_THREAD_PREFIX, name_os_thread
+from actors.torch_thread import ENGINE_THREAD_PREFIX, name_os_thread, normal_scheduling
 
 logger = logging.getLogger(__name__)
 # How often an engine with live requests but nothing to run re-checks its deadlines.
@@ -292,6 +292,7 @@ class AsyncEngine:
         # loading thread, steps ran ~20% slower on 2 cores (measured, bench checkpoint).
         # Before the first torch op: the OpenMP team this thread starts inherits the name.
         name_os_thread(ENGINE_THREAD_PREFIX + "step")
+        normal_scheduling()  # its OpenMP team inherits the policy too
         try:
             self.core = core if isinstance(core, EngineCore) else core()
         except BaseException as exc:  # noqa: BLE001 (re-raised in the constructor)

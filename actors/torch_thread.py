@@ -14,12 +14,18 @@ the serving path's when CPU is accounted per thread (`benchmarks/serving.py`).
 `favour_step_thread` shortens the GIL switch interval of a process whose step thread shares
 the GIL with other Python threads (Serve's loop and Ray's threads in an engine replica, Ray
 Data's in a batch actor).
+
+`normal_scheduling` puts the calling thread back on Linux's normal policy where its process
+inherited `SCHED_BATCH` (a local Ray is started under it, `serve_app/ray_env.py`): the step
+thread and the OpenMP team it starts then keep their cores against the serving path's threads,
+which wait for a running thread's slice instead of preempting it when they wake.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,13 +57,26 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+def normal_scheduling() -> None:
+    """The calling thread on `SCHED_OTHER` if it runs `SCHED_BATCH`; elsewhere a no-op."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return
+    try:
+        if os.sched_getscheduler(0) == os.SCHED_BATCH:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:  # a policy this thread may not leave: it keeps it
+        pass
+
+
 def favour_step_thread() -> None:
     sys.setswitchinterval(STEP_THREAD_SWITCH_INTERVAL_S)
 
 
 class TorchThread:
     def __init__(self, name: str = "torch"):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=name, initializer=normal_scheduling
+        )
 
     def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`fn(*args, **kwargs)` on the thread; its result, or its exception raised here."""

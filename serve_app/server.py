@@ -62,7 +62,8 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
             if config.ray_address:
                 ray.init(address=config.ray_address, log_to_driver=False)
             else:
-                _init_local_ray(ray_init_kwargs or {})
+                with ray_env.batch_scheduled_children():
+                    _init_local_ray(ray_init_kwargs or {})
         identity = identity.result()
     from serve_app.app import APP_NAME, build_app, engine_placement
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from serve_app import ray_env
@@ -18,6 +22,27 @@ def test_prepare_sets_what_is_missing_and_keeps_an_operators_choice(monkeypatch)
     monkeypatch.setenv(ray_env.GRPC_ENV, "0")
     ray_env.prepare()
     assert not ray_env.grpc_data_plane()
+
+
+def _child_policy() -> int:
+    code = "import os; print(os.sched_getscheduler(0))"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True).stdout)
+
+
+def test_ray_started_inside_runs_sched_batch_and_the_starting_thread_keeps_its_policy(
+    monkeypatch,
+):
+    # What a local Ray's proxy, replicas and daemons inherit from the thread that starts it.
+    monkeypatch.delenv(ray_env.BATCH_SCHEDULING_ENV, raising=False)
+    before = os.sched_getscheduler(0)
+    with ray_env.batch_scheduled_children():
+        assert _child_policy() == os.SCHED_BATCH
+    assert os.sched_getscheduler(0) == before
+    assert _child_policy() == before
+
+    monkeypatch.setenv(ray_env.BATCH_SCHEDULING_ENV, "0")  # the operator keeps the normal one
+    with ray_env.batch_scheduled_children():
+        assert _child_policy() == before
 
 
 class FakeHandle:

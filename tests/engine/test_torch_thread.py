@@ -3,6 +3,7 @@ when given a factory, and a TorchThread runs every call on the same thread."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from actors import LLM, SamplingParams
 from actors.async_engine import AsyncEngine
 from actors.torch_thread import TorchThread
+from serve_app import ray_env
 
 
 def test_torch_thread_runs_every_call_on_one_thread_and_raises_what_fn_raises():
@@ -56,3 +58,27 @@ def test_a_core_that_fails_to_build_fails_the_engine_constructor():
 
     with pytest.raises(ValueError, match="no room"):
         AsyncEngine(factory, None)
+
+
+def test_step_threads_leave_the_batch_policy_their_process_inherited(model_dirs):
+    # Ray's processes run SCHED_BATCH (serve_app/ray_env.py); the threads doing an engine's
+    # torch work must not: they would lose their cores to every serving-path thread waking.
+    llm = LLM(model=str(model_dirs("llama")))
+    policies: list[int] = []
+
+    def factory():
+        policies.append(os.sched_getscheduler(0))
+        return llm.engine
+
+    with ray_env.batch_scheduled_children():  # this thread, and what it starts, on SCHED_BATCH
+        assert os.sched_getscheduler(0) == os.SCHED_BATCH
+        engine = AsyncEngine(factory, None)
+        torch_thread = TorchThread("t")
+        policies.append(torch_thread.run(os.sched_getscheduler, 0))
+    engine.core.shutdown = lambda: None  # type: ignore[method-assign] (the LLM owns it)
+    try:
+        assert policies == [os.SCHED_OTHER, os.SCHED_OTHER]
+    finally:
+        torch_thread.shutdown()
+        engine.shutdown()
+        llm.shutdown()
