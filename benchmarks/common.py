@@ -6,6 +6,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -212,6 +213,19 @@ def _cpu_of(stat_path: Path, tick: int) -> float:
     return (int(fields[11]) + int(fields[12])) / tick
 
 
+def _ray_processes() -> Iterator[tuple[Path, str]]:
+    """This machine's Ray worker processes (`ray::...` titles): their /proc folder and title."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:  # a process that ended while read
+            continue
+        if title.startswith("ray::"):
+            yield entry, title
+
+
 def serve_cpu_seconds() -> dict[str, float]:
     """CPU seconds so far of this machine's Serve processes, by role, from /proc. An engine
     replica is split: `engine_step` (threads named `ENGINE_THREAD_PREFIX*`: the step thread,
@@ -221,13 +235,10 @@ def serve_cpu_seconds() -> dict[str, float]:
 
     tick = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry, title in _ray_processes():
         try:
-            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             role = next((r for key, r in SERVE_ROLES.items() if key in title), None)
-            if role is None or not title.startswith("ray::"):
+            if role is None:
                 continue
             if role != "engine":
                 totals[role] = totals.get(role, 0.0) + _cpu_of(entry / "stat", tick)
@@ -248,12 +259,8 @@ def step_thread_schedstat() -> dict[str, tuple[int, int]]:
     from actors.torch_thread import ENGINE_THREAD_PREFIX
 
     out: dict[str, tuple[int, int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry, _ in _ray_processes():
         try:
-            if not (entry / "cmdline").read_bytes().startswith(b"ray::"):
-                continue
             for task in (entry / "task").iterdir():
                 if (task / "comm").read_text().startswith(ENGINE_THREAD_PREFIX):
                     run, wait, _ = (task / "schedstat").read_text().split()

@@ -132,17 +132,12 @@ def phase_requests(vocab: int) -> dict[str, list[tuple[list[int], int]]]:
     }
 
 
-def phase_tok_s(name: str, requests: list[tuple[list[int], int]], seconds: float) -> float:
-    counted = next(c for n, *_, c in PHASES if n == name)
-    tokens = sum(len(ids) if counted == "prompt" else out for ids, out in requests)
-    return tokens / seconds
-
-
 def compare_phases(phases: dict, ours_s: dict[str, float], vllm_s: dict[str, float]) -> dict:
     out = {}
     for name, n, plen, max_tokens, counted in PHASES:
-        ours = phase_tok_s(name, phases[name], ours_s[name])
-        theirs = phase_tok_s(name, phases[name], vllm_s[name])
+        reqs = phases[name]
+        tokens = sum(len(ids) if counted == "prompt" else m for ids, m in reqs)
+        ours, theirs = tokens / ours_s[name], tokens / vllm_s[name]
         out[name] = {
             "requests": n,
             "prompt_tokens": plen,
