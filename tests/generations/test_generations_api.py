@@ -165,20 +165,24 @@ def test_a_disconnected_sync_client_recovers_the_result_by_idempotency_key(serve
     body = reply_body(max_output_tokens=300)
     # The client must leave after the server has taken the request (a client gone before
     # that left nothing to recover: the retry then runs it as new, and the try starts over
-    # with a fresh key; on a loaded machine no fixed wait is always enough) and before the
-    # end (an early EOS can end a generation first).
-    for _ in range(10):
+    # with a fresh key) and before the end (an early EOS, or a fast machine, can end a
+    # generation first). No fixed wait fits every machine and load, so the wait adapts:
+    # shorter after a generation that ended first, longer after one the server never took.
+    wait_s = 0.25
+    for _ in range(12):
         key = {"Idempotency-Key": f"draft-{uuid.uuid4()}"}
         try:
-            httpx.post(f"{serve_url}/v1/generations", json=body, headers=key, timeout=0.25)
-            continue  # it ended before its client left
-        except httpx.ReadTimeout:
+            httpx.post(f"{serve_url}/v1/generations", json=body, headers=key, timeout=wait_s)
+            wait_s = max(wait_s * 0.5, 0.02)  # it ended before its client left
+            continue
+        except httpx.TimeoutException:
             pass
         # The retry is the same generation (not a new one), waited for to its end.
         r = create(serve_url, body, key)
         assert r.status_code == 200
         if r.headers.get("idempotent-replayed") == "true":
             break
+        wait_s *= 2.0  # the client left before the server took the request
     else:
         pytest.fail("no generation outlived a client that left after the server took it")
     final = r.json()
