@@ -181,12 +181,20 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
         raise ValueError(f"tensor_parallel_size ({tp}) does not divide " + ", ".join(problems))
 
 
+# A step's token budget by default: vLLM's CPU API server's default too. Measured against it
+# on the trained model at 16 and 64 streams (docs/benchmarks.md): 1,024 spread new prompts over
+# more steps, each stalling every running stream (TPOT p50 1.26x and 1.15x of vLLM's); 4,096
+# made TPOT 0.91x and 0.96x but throughput fell to 0.87x at 64 (a 4,096-token prefill's
+# activations spill this CPU's caches); 2,048 kept throughput and made TPOT 0.99x and 1.07x.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     # Most sequences in one step's batch.
     max_num_seqs: int = 64
     # Token budget of one step: decode tokens plus prefill chunks.
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # Split long prompts into chunks under the budget instead of waiting for room.
     enable_chunked_prefill: bool = True
 

@@ -13,7 +13,13 @@ import weakref
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from actors.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from actors.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from actors.engine_core import EngineCore
 from actors.executor import ExecutorError
 from actors.outputs import CompletionOutput, GenerationResult
@@ -46,7 +52,7 @@ class LLM:
         kv_cache_bytes: int = 512 * 1024**2,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 1024,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         placement_strategy: str = "STRICT_PACK",
         placement_timeout_s: float = 60.0,
         speculative_config: dict[str, Any] | None = None,

@@ -116,11 +116,16 @@ def accounted_level(url, model, requests, concurrency) -> dict:
     """One HTTP level with the serving path's CPU per output token, process by process, and
     where the engine's step threads spent the level."""
     before, sched = serve_cpu_seconds(), step_thread_schedstat()
+    # The load generator runs on this thread, on the same cores as the server: its CPU per
+    # token is what a remote client would not take from the engine.
+    client_before = time.thread_time()
     level = asyncio.run(http_level(url, model, requests, concurrency))
+    client_s = time.thread_time() - client_before
     after = serve_cpu_seconds()
     return {
         **level,
         "cpu_ms_per_token": serving_cpu_per_token(before, after, level["output_tokens"]),
+        "client_cpu_ms_per_token": client_s * 1e3 / max(level["output_tokens"], 1),
         "engine_step_threads": step_thread_shares(sched, step_thread_schedstat(), level["seconds"]),
     }
 
@@ -150,6 +155,9 @@ def http_vs_direct(url, model, path, args) -> dict:
             "cpu_ms_per_token_by_role": {
                 role: statistics.median(x["by_role"].get(role, 0.0) for x in cpu) for role in roles
             },
+            "client_cpu_ms_per_token": statistics.median(
+                row["http"]["client_cpu_ms_per_token"] for row in rows
+            ),
             "tokens_per_chunk": statistics.median(row["http"]["tokens_per_chunk"] for row in rows),
             "itl_ms_p50": statistics.median(row["http"]["itl_ms"]["p50"] for row in rows),
             "runs": rows,

@@ -37,7 +37,8 @@ class EngineOptions(BaseModel):
     dtype: str | None = None
     max_model_len: int | None = Field(None, ge=2)
     max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(1024, ge=1)
+    # The engine's default (actors.config.DEFAULT_MAX_NUM_BATCHED_TOKENS; why 2,048 there).
+    max_num_batched_tokens: int = Field(2048, ge=1)
     block_size: int = Field(16, ge=1)
     kv_cache_bytes: int = Field(512 * 1024**2, ge=1)
     enable_prefix_caching: bool = True

@@ -142,3 +142,20 @@ def test_the_admin_port_is_waited_for_while_a_predecessor_holds_it_then_named():
         assert released.is_set() and sock.getsockname()[1] == port
         with pytest.raises(RuntimeError, match=f"admin_port: cannot listen on 127.0.0.1:{port}"):
             bind_listening("127.0.0.1", port, timeout_s=0.3)
+
+
+def test_the_served_engine_takes_the_engine_defaults_it_does_not_override():
+    """A served engine and `LLM(...)` batch the same way unless the config says otherwise."""
+    import inspect
+
+    from actors.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
+    from actors.llm import LLM
+    from serve_app.config.options import EngineOptions
+
+    served = EngineOptions()
+    llm = inspect.signature(LLM).parameters
+    assert served.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert llm["max_num_batched_tokens"].default == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert served.max_num_seqs == SchedulerConfig().max_num_seqs == llm["max_num_seqs"].default
+    assert served.block_size == llm["block_size"].default
+    assert served.kv_cache_bytes == llm["kv_cache_bytes"].default
