@@ -150,6 +150,49 @@ async def closed_loop(items: list, concurrency: int, send) -> tuple[list[dict], 
     return results, time.perf_counter() - start
 
 
+def streaming_session(timeout_s: float = 900):
+    """The load generator's HTTP client: aiohttp (its HTTP parser is C; vLLM's serving benchmark
+    uses it too). It runs on the server's own cores, so what it costs per token is taken from
+    the engine: httpx's pure-Python stream parsing cost about 0.1-0.14 ms of CPU per token, as
+    much as the serving path itself (serving.py reports `client_cpu_ms_per_token`)."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_s)
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+
+async def stream_completion(session, url: str, body: dict) -> dict:
+    """POST a streamed `/v1/completions` request and read its SSE frames: the arrival time and
+    text of every frame that carries text, the usage frame, the server's request id and the
+    start time. An error frame (a failure after the headers went out) raises."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    pieces: list[str] = []
+    usage: dict | None = None
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: {r.status} {(await r.read())[:500]!r}")
+        request_id = r.headers.get("x-request-id", "")
+        async for line in r.content:  # one SSE line at a time
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: error frame {chunk['error']}")
+            usage = chunk.get("usage") or usage
+            text = chunk["choices"][0].get("text") if chunk.get("choices") else None
+            if text:
+                stamps.append(time.perf_counter())
+                pieces.append(text)
+    return {
+        "start": start,
+        "stamps": stamps,
+        "pieces": pieces,
+        "usage": usage,
+        "request_id": request_id,
+    }
+
+
 def stream_summary(results: list[dict], seconds: float) -> dict:
     """Throughput and latency percentiles of streamed requests, each a dict with `ttft`
     (s), `itl` (list of s) and `tokens`."""

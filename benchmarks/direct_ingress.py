@@ -21,7 +21,13 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(__file__))
 import serving  # noqa: E402
-from common import free_port, mixed_requests, resolve_model, write_json  # noqa: E402
+from common import (  # noqa: E402
+    free_port,
+    mixed_requests,
+    resolve_model,
+    streaming_session,
+    write_json,
+)
 
 SIDES = ("proxy", "direct_ingress")
 LEVELS = (16, 64)
@@ -51,8 +57,8 @@ def ttft_overhead(url: str, admin_url: str, model: str, seed: int, n: int = 20) 
     extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
 
     async def run_all() -> list[dict]:
-        async with httpx.AsyncClient(timeout=600) as client:
-            return [await serving.one_request(client, url, model, p, m, extra) for p, m in reqs]
+        async with streaming_session() as session:
+            return [await serving.one_request(session, url, model, p, m, extra) for p, m in reqs]
 
     samples = asyncio.run(run_all())
     time.sleep(1.5)  # replicas push their timelines to the registry a few times a second

@@ -45,7 +45,9 @@ from common import (  # noqa: E402
     resolve_model,
     step_thread_schedstat,
     step_thread_shares,
+    stream_completion,
     stream_summary,
+    streaming_session,
     text_prompts,
     tree_cpu_seconds,
     venv_tool,
@@ -133,7 +135,7 @@ def start_theirs(path: str, log_dir: str, env: dict, dtype: str = "float32") -> 
 
 
 async def one_request(
-    client: httpx.AsyncClient,
+    session: Any,
     url: str,
     model: str,
     prompt: str,
@@ -143,24 +145,8 @@ async def one_request(
 ) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
     body |= {"temperature": 0, "stream": True, **extra}
-    start = time.perf_counter()
-    stamps: list[float] = []
-    pieces: list[str] = []
-    usage: dict | None = None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: {r.status_code} {(await r.aread())[:500]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"{url}: error frame {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            text = chunk["choices"][0].get("text") if chunk.get("choices") else None
-            if text:
-                stamps.append(time.perf_counter())
-                pieces.append(text)
+    got = await stream_completion(session, url, body)
+    stamps, pieces, usage, start = got["stamps"], got["pieces"], got["usage"], got["start"]
     if not stamps:
         stamps = [time.perf_counter()]
     if usage is not None:  # the server's own count (re-encoding merges a random model's text)
@@ -190,11 +176,11 @@ async def run_level(
     the server's CPU-seconds per output token and (ours) where its step threads' time went."""
     cpu_before = tree_cpu_seconds(server.proc.pid)
     sched_before = step_thread_schedstat()
-    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=256)) as client:
+    async with streaming_session() as session:
 
         async def send(item: Prompt) -> dict:
             return await one_request(
-                client, server.url, model, item[0], max_tokens, tokenizer, extra
+                session, server.url, model, item[0], max_tokens, tokenizer, extra
             )
 
         results, seconds = await closed_loop(requests, concurrency, send)

@@ -30,7 +30,9 @@ from common import (  # noqa: E402
     serving_cpu_per_token,
     step_thread_schedstat,
     step_thread_shares,
+    stream_completion,
     stream_summary,
+    streaming_session,
     write_json,
 )
 from grammar_masks import RATIO_TARGET as JSON_DECODE_TARGET  # noqa: E402
@@ -57,7 +59,7 @@ SCHEMA = {
 }
 
 
-async def one_request(client, url, model, prompt, max_tokens, extra) -> dict:
+async def one_request(session, url, model, prompt, max_tokens, extra) -> dict:
     body = {
         "model": model,
         "prompt": prompt,
@@ -66,41 +68,24 @@ async def one_request(client, url, model, prompt, max_tokens, extra) -> dict:
         "stream": True,
         **extra,
     }
-    start = time.perf_counter()
-    stamps: list[float] = []
-    tokens = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        request_id = r.headers.get("x-request-id", "")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:  # a failure after the headers went out
-                raise RuntimeError(f"stream failed: {chunk['error']}")
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0].get("text"):
-                stamps.append(time.perf_counter())
-    chunks = len(stamps)
-    if not stamps:
-        stamps = [time.perf_counter()]
+    got = await stream_completion(session, url, body)
+    stamps = got["stamps"] or [time.perf_counter()]
     return {
-        "ttft": stamps[0] - start,
+        "ttft": stamps[0] - got["start"],
         "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
-        "tokens": tokens,
-        "chunks": chunks,
-        "request_id": request_id,
+        "tokens": got["usage"]["completion_tokens"] if got["usage"] else 0,
+        "chunks": len(got["stamps"]),
+        "request_id": got["request_id"],
     }
 
 
 async def http_level(url, model, requests, concurrency, extra=None) -> dict:
     extra = {"ignore_eos": True, "stream_options": {"include_usage": True}, **(extra or {})}
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with streaming_session() as session:
 
         async def send(item):
             prompt, max_tokens = item
-            return await one_request(client, url, model, prompt, max_tokens, extra)
+            return await one_request(session, url, model, prompt, max_tokens, extra)
 
         results, seconds = await closed_loop(requests, concurrency, send)
     chunks = sum(r["chunks"] for r in results)
@@ -173,9 +158,9 @@ def ttft_overhead(url: str, admin_url: str, model: str, n: int = 20) -> dict:
     samples = []
 
     async def run_all():
-        async with httpx.AsyncClient(timeout=600) as client:
+        async with streaming_session() as session:
             for prompt, max_tokens in reqs:
-                samples.append(await one_request(client, url, model, prompt, max_tokens, extra))
+                samples.append(await one_request(session, url, model, prompt, max_tokens, extra))
 
     asyncio.run(run_all())
     time.sleep(1.5)  # replicas push their timelines to the registry a few times a second
