@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 # order; `(-1, None)` alone is the deadline.
 Ready = list[tuple[int, RequestOutput | None]]
 Merged = AsyncIterator[Ready]
+# The deadline's marker in a merge's queue (compared by identity).
+_EXPIRED = (-1, None)
 
 
 async def merged_outputs(
@@ -73,17 +75,21 @@ async def merged_outputs(
         if not first.finished:
             pending += 1
             tasks.append(asyncio.create_task(pump(i, gen, box)))
+    # One timer for the request that queues its marker at the deadline, rather than a
+    # timeout around every pull (a task and a timer per token).
+    expiry = None
+    if deadline is not None:
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_at(loop.time() + deadline - time.monotonic(), queue.put_nowait, _EXPIRED)
     try:
         while pending or not queue.empty():
-            timeout = None if deadline is None else deadline - time.monotonic()
-            try:
-                item = await asyncio.wait_for(queue.get(), timeout)
-            except TimeoutError:
-                yield [(-1, None)]  # deadline: the caller ends the open choices
-                return
+            item = await queue.get()
             ready: Ready = []
+            expired = False
             while True:  # and whatever else came meanwhile (the writer fell behind)
-                if item[1] is None:
+                if item is _EXPIRED:
+                    expired = True
+                elif item[1] is None:
                     pending -= 1
                 else:
                     ready.append(item)
@@ -92,7 +98,12 @@ async def merged_outputs(
                 item = queue.get_nowait()
             if ready:
                 yield ready
+            if expired and pending:
+                yield [(-1, None)]  # deadline: the caller ends the open choices
+                return
     finally:
+        if expiry is not None:
+            expiry.cancel()
         for task in tasks:
             task.cancel()
         for gen in streams:
