@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -197,3 +198,42 @@ def test_a_reader_that_leaves_a_waiting_call_leaves_no_unretrieved_task_error():
 
     asyncio.run(go())
     assert reported == []
+
+
+class Stalled(Call):
+    """A call that gives its outputs, then no more for `stall_s` before the rest."""
+
+    def __init__(self, outputs: list[RequestOutput], rest: list[RequestOutput], stall_s: float):
+        super().__init__(outputs)
+        self.rest, self.stall_s = list(rest), stall_s
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.outputs and self.rest:
+            await asyncio.sleep(self.stall_s)
+            self.outputs, self.rest = self.rest, []
+        return await super().__anext__()
+
+
+def pulls_until_end(call: Call, deadline_in_s: float) -> list[list]:
+    async def go() -> list[list]:
+        channels = EngineChannels(engine=None)
+        box = channels.expect("r")
+        deadline = time.monotonic() + deadline_in_s
+        merged_ = merged_outputs([call], [box], [step(0)], deadline, channels)
+        return [[(i, out and out.deltas[0].text) for i, out in ready] async for ready in merged_]
+
+    return asyncio.run(asyncio.wait_for(go(), 5))
+
+
+def test_the_deadline_ends_a_stalled_request_after_what_arrived_in_time():
+    call = Stalled([step(1), step(2)], [step(k) for k in range(3, NUM_TOKENS)], stall_s=1.0)
+    pulls = pulls_until_end(call, deadline_in_s=0.2)
+    assert [t for ready in pulls[:-1] for _, t in ready] == ["t0", "t1", "t2"]
+    assert pulls[-1] == [(-1, None)]  # then the deadline, once, as the last pull
+    assert call.cancelled
+
+
+def test_a_request_that_ends_before_its_deadline_never_sees_it():
+    pulls = pulls_until_end(Call([step(k) for k in range(1, NUM_TOKENS)]), deadline_in_s=0.05)
+    assert [t for ready in pulls for _, t in ready] == [f"t{k}" for k in range(NUM_TOKENS)]
+    assert all(i == 0 for ready in pulls for i, _ in ready)
