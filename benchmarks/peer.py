@@ -34,6 +34,8 @@ from typing import Any
 
 import httpx
 
+from actors.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_peer  # noqa: E402
 from common import (  # noqa: E402
@@ -381,6 +383,9 @@ def main() -> None:
         "peer": args.peer,
         "peer_label": label,
         "json_schema": args.json_schema,
+        # Tokens a step takes (decodes and prefill chunks): ours the engine's default, served
+        # and offline; vLLM's CPU build defaults to 2,048 served and 4,096 offline.
+        "ours_max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS,
     }
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as log_dir:
         sides = [("ours", lambda: start_ours(path, args.threads, log_dir, env, args.dtype))]
