@@ -28,6 +28,7 @@ from actors.messages import (
 from actors.models.loader import build_model
 from actors.parallel_state import get_tp_group
 from actors.platform import (
+    cpu_masked_argmax,
     cpu_prefill_attention,
     inplace_decode_attention,
     kv_cache_budget_bytes,
@@ -93,7 +94,9 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.head_offsets = torch.zeros(0, dtype=torch.long)
-        self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, seed)
+        self.sampler = Sampler(
+            model_config.vocab_size, model_config.eos_token_ids, seed, cpu_masked_argmax()
+        )
         self.states: dict[str, SeqSamplingState] = {}
         self._pending: _Pending | None = None
         self.keep_gathers = persistent_decode_gather(device) and not self.in_place_decode

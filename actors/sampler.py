@@ -28,10 +28,20 @@ class SeqSamplingState:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0):
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        seed: int = 0,
+        mask_kernel: bool = False,
+    ):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
+        # A forbidden winner's row re-picked by the engine's CPU kernel in one read of the row
+        # (`serve_app::masked_argmax`) instead of masking it in place, then argmax, then the
+        # all-masked check (platform.cpu_masked_argmax).
+        self.mask_kernel = mask_kernel
 
     def __call__(
         self,
@@ -75,7 +85,11 @@ class Sampler:
             words = bitmask[late].gather(1, (winners >> 5).unsqueeze(1)).squeeze(1)
             allowed = ((words >> (winners & 31).to(torch.int32)) & 1).bool()
             refill = [r for r, ok in zip(late, allowed.tolist(), strict=True) if not ok]
-            if refill:
+            if refill and self.mask_kernel and scores.is_cpu and bitmask.is_cpu:
+                picked = torch.ops.serve_app.masked_argmax(scores, bitmask, torch.tensor(refill))
+                tokens[refill] = picked
+                dead += [r for r, t in zip(refill, picked.tolist(), strict=True) if t < 0]
+            elif refill:
                 _apply_mask(scores, bitmask, refill)
                 tokens[refill] = scores[refill].argmax(dim=-1)
                 dead += _all_masked(scores, refill)

@@ -5,6 +5,8 @@
 //   fused_add_rms_norm  residual += x; x = residual / rms(residual) * weight (in place)
 //   rotary_embedding    q, k rotated in place at their positions (neox halves)
 //   silu_and_mul        out = silu(gate) * up, for x = [gate | up]
+//   masked_argmax       per listed row, the first index of the largest score among the
+//                       tokens a grammar bitmask allows (-1 where none scores above -inf)
 //
 // Arithmetic in fp32 whatever the storage dtype, as the torch ops they replace. Built by
 // actors/layers/kernels.py.
@@ -15,6 +17,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -184,6 +187,77 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// A grammar bitmask row: bit (j & 31) of word j >> 5 set where token j is allowed.
+// torch.argmax's answer on the row with every forbidden token set to -inf (the first index
+// of the largest value), in one read of the row: each word's 32 scores are reduced to the
+// largest allowed one, the first word to reach the row's maximum is remembered, and only its
+// lanes are searched for the index. -1 where no allowed token scores above -inf. Tokens past
+// the bitmask's width are allowed (as xgrammar's mask leaves them).
+int64_t masked_argmax_row(const float* s, const uint32_t* words, int64_t vocab, int64_t width) {
+  const int64_t covered = std::min(vocab, width * 32), full = covered / 32;
+  float best = -INFINITY;
+  int64_t best_word = -1;
+  for (int64_t w = 0; w < full; ++w) {
+    const uint32_t bits = words[w];
+    if (bits == 0) continue;
+    const float* p = s + w * 32;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int b = 0; b < 32; ++b) m = std::max(m, ((bits >> b) & 1u) ? p[b] : -INFINITY);
+    if (m > best) {
+      best = m;
+      best_word = w;
+    }
+  }
+  int64_t arg = -1;
+  if (best_word >= 0) {
+    const uint32_t bits = words[best_word];
+    const float* p = s + best_word * 32;
+    for (int b = 0; b < 32; ++b)
+      if (((bits >> b) & 1u) && p[b] == best) {
+        arg = best_word * 32 + b;
+        break;
+      }
+  }
+  // The partial last word, then tokens past the bitmask: later indices win only if larger.
+  for (int64_t j = full * 32; j < covered; ++j)
+    if (((words[j >> 5] >> (j & 31)) & 1u) && s[j] > best) {
+      best = s[j];
+      arg = j;
+    }
+  for (int64_t j = covered; j < vocab; ++j)
+    if (s[j] > best) {
+      best = s[j];
+      arg = j;
+    }
+  return arg;
+}
+
+at::Tensor masked_argmax(const at::Tensor& scores, const at::Tensor& bitmask,
+                         const at::Tensor& rows) {
+  check_rows(scores, "scores");
+  check_rows(bitmask, "bitmask");
+  TORCH_CHECK(scores.scalar_type() == at::kFloat, "scores must be float32");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt, "bitmask must be int32");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "rows must be a 1-d int64 tensor");
+  const int64_t n = rows.numel(), vocab = scores.size(1), width = bitmask.size(1);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < scores.size(0) && rp[i] < bitmask.size(0),
+                "row ", rp[i], " is outside scores or bitmask");
+  at::Tensor out = at::empty({n}, rows.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* sp = scores.data_ptr<float>();
+  const auto* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  at::parallel_for(0, n, grain(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      op[i] = masked_argmax_row(sp + rp[i] * scores.stride(0), mp + rp[i] * bitmask.stride(0),
+                                vocab, width);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(serve_app, m) {
@@ -193,6 +267,7 @@ TORCH_LIBRARY_FRAGMENT(serve_app, m) {
       "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) "
       "-> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("masked_argmax(Tensor scores, Tensor bitmask, Tensor rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(serve_app, CPU, m) {
@@ -200,4 +275,5 @@ TORCH_LIBRARY_IMPL(serve_app, CPU, m) {
   m.impl("fused_add_rms_norm", fused_add_rms_norm);
   m.impl("rotary_embedding", rotary_embedding);
   m.impl("silu_and_mul", silu_and_mul);
+  m.impl("masked_argmax", masked_argmax);
 }

@@ -6,7 +6,9 @@ layout, head dim, window and dtype the engine serves, with several query rows pe
 (the verification shape of speculative decoding), and independent of the other rows in the
 call. Prefill attention must give what torch's causal SDPA gives over the same chunk and cached
 prefix, on the engine's own strided views. The fused small ops (RMSNorm with its residual add,
-rotary, SiLU-and-mul) must give what the torch modules they replace give."""
+rotary, SiLU-and-mul) must give what the torch modules they replace give. A grammar row's
+masked argmax must be torch.argmax of the row masked by xgrammar first (-1 where nothing
+allowed scores above -inf)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def test_the_project_builds_its_kernels_on_this_machine():
     assert platform.inplace_decode_attention(torch.device("cpu"))
     assert platform.cpu_prefill_attention(torch.device("cpu"))
     assert platform.fused_cpu_ops(torch.device("cpu"))
+    assert platform.cpu_masked_argmax()
 
 
 def _cache(heads_kv, num_blocks, block_size, d, dtype, seed=0):
@@ -207,6 +210,7 @@ def test_cuda_keeps_torchs_ops_and_the_cpu_kernels_can_be_switched_off(monkeypat
     assert platform.inplace_decode_attention(cpu) is False
     assert platform.cpu_prefill_attention(cpu) is False
     assert platform.fused_cpu_ops(cpu) is False
+    assert platform.cpu_masked_argmax() is False
 
 
 def _fused_and_reference(module, *args):
@@ -279,3 +283,61 @@ def test_a_failed_build_leaves_torchs_path(monkeypatch, tmp_path, caplog):
     assert kernels.available() is False
     assert "using torch's ops" in caplog.text
     assert kernels.available() is False  # decided once per process
+
+
+def _masked_reference(scores, bitmask, rows):
+    import xgrammar
+
+    masked = scores.clone()
+    xgrammar.apply_token_bitmask_inplace(masked, bitmask, indices=rows)
+    return [-1 if torch.isneginf(masked[r]).all() else int(masked[r].argmax()) for r in rows]
+
+
+@pytest.mark.parametrize("vocab", [49152, 49155, 70, 33, 5])
+def test_masked_argmax_is_the_argmax_of_the_masked_row(vocab):
+    assert kernels.available()  # loads the operators
+    g = torch.Generator().manual_seed(vocab)
+    width = -(-vocab // 32)
+    for density in (1, 3, 30, 31):  # of 32 bits allowed, on average
+        scores = torch.randn(12, vocab, generator=g)
+        scores[1] = torch.randint(0, 3, (vocab,), generator=g).float()  # many ties
+        scores[2, : vocab // 2] = float("-inf")
+        scores[3] = float("-inf")
+        bits = torch.rand(12, width * 32, generator=g) < density / 32
+        words = (bits.view(12, width, 32).long() << torch.arange(32)).sum(-1)
+        bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        bitmask[4] = 0  # nothing allowed
+        bitmask[5] = -1  # everything allowed
+        rows = [0, 1, 2, 3, 4, 5, 7, 11]
+        got = torch.ops.serve_app.masked_argmax(scores, bitmask, torch.tensor(rows)).tolist()
+        assert got == _masked_reference(scores, bitmask, rows), (vocab, density)
+        assert got[3] == -1 and got[4] == -1
+
+
+def test_masked_argmax_reads_rows_in_place_and_tokens_past_the_bitmask_stay_allowed():
+    assert kernels.available()
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(6, 100, generator=g)
+    bitmask = torch.zeros(6, 3, dtype=torch.int32)  # covers tokens 0..95 and forbids them all
+    bitmask[1, 0] = 1 << 4  # what row 1 of the call (scores row 2) allows
+    scores[2, 4], scores[2, 97] = 50.0, 40.0
+    view = scores[::2]  # rows 0, 2, 4 of scores: a strided batch
+    got = torch.ops.serve_app.masked_argmax(view, bitmask[:3], torch.tensor([0, 1, 2]))
+    assert got[1] == 4  # the allowed token, not the larger one past the bitmask
+    assert got.tolist() == [int(scores[r, 96:].argmax()) + 96 for r in (0,)] + [4] + [
+        int(scores[4, 96:].argmax()) + 96
+    ]
+
+
+def test_masked_argmax_refuses_what_it_does_not_take():
+    assert kernels.available()
+    scores, bitmask = torch.randn(2, 64), torch.full((2, 2), -1, dtype=torch.int32)
+    rows = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="scores must be float32"):
+        torch.ops.serve_app.masked_argmax(scores.double(), bitmask, rows)
+    with pytest.raises(RuntimeError, match="bitmask must be int32"):
+        torch.ops.serve_app.masked_argmax(scores, bitmask.long(), rows)
+    with pytest.raises(RuntimeError, match="outside scores or bitmask"):
+        torch.ops.serve_app.masked_argmax(scores, bitmask[:1], rows)
+    with pytest.raises(RuntimeError, match="rows must be"):
+        torch.ops.serve_app.masked_argmax(scores, bitmask, rows.int())

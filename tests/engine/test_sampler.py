@@ -15,6 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from actors.layers import kernels
 from actors.sampler import NO_TOKEN, Sampler, SeqSamplingState
 from actors.sampling_params import SamplingParams
 
@@ -294,7 +295,19 @@ def test_min_tokens_bans_for_random_rows_too() -> None:
 # ---------------------------------------------------------------- grammar bitmask
 
 
-def test_bitmask_restricts_only_listed_rows_and_empty_mask_gives_no_token() -> None:
+MASK_PATHS = pytest.mark.parametrize("mask_kernel", [False, True], ids=["xgrammar", "kernel"])
+
+
+def mask_sampler(vocab: int, mask_kernel: bool, seed: int = 0) -> Sampler:
+    """The sampler on either path for a forbidden winner: xgrammar's in-place mask, or the
+    engine's `masked_argmax` kernel (built by `make kernels`, so present wherever tests run)."""
+    if mask_kernel:
+        assert kernels.available()
+    return Sampler(vocab, EOS_IDS, seed=seed, mask_kernel=mask_kernel)
+
+
+@MASK_PATHS
+def test_bitmask_restricts_only_listed_rows_and_empty_mask_gives_no_token(mask_kernel) -> None:
     vocab = 70  # not a multiple of 32: the last word is partly padding
     allowed = {5, 31, 33, 64}
     bitmask = xgrammar.allocate_token_bitmask(4, vocab)
@@ -308,7 +321,7 @@ def test_bitmask_restricts_only_listed_rows_and_empty_mask_gives_no_token() -> N
         make_state(logprobs=1),
         make_state(temperature=0.0),
     ]
-    sampler = Sampler(vocab, EOS_IDS)
+    sampler = mask_sampler(vocab, mask_kernel)
     g = torch.Generator().manual_seed(0)
     seen: list[set[int]] = [set(), set(), set(), set()]
     for _ in range(200):
@@ -325,6 +338,7 @@ def test_bitmask_restricts_only_listed_rows_and_empty_mask_gives_no_token() -> N
     assert states[2].output_token_ids == []  # a dead row records nothing
 
 
+@MASK_PATHS
 @pytest.mark.parametrize(
     "params",
     [
@@ -336,7 +350,7 @@ def test_bitmask_restricts_only_listed_rows_and_empty_mask_gives_no_token() -> N
     ],
     ids=["greedy", "greedy-penalised", "sampled", "top-k", "top-p"],
 )
-def test_masked_rows_draw_what_masking_the_logits_first_draws(params) -> None:
+def test_masked_rows_draw_what_masking_the_logits_first_draws(params, mask_kernel) -> None:
     """The sampler masks only rows whose unmasked winner the grammar forbids (and rows a
     top filter renormalises): each row's token is still the one it would draw from logits
     masked beforehand, with the same noise, allowed or dead alike."""
@@ -358,7 +372,7 @@ def test_masked_rows_draw_what_masking_the_logits_first_draws(params) -> None:
                 make_state(seed=100 * trial + r, prompt_ids=(3,), **params) for r in range(rows)
             ]
 
-        ours, _ = Sampler(vocab, EOS_IDS, seed=5)(logits, states(), bitmask, listed)
+        ours, _ = mask_sampler(vocab, mask_kernel, seed=5)(logits, states(), bitmask, listed)
         reference, _ = Sampler(vocab, EOS_IDS, seed=5)(masked_first, states())
         for r in range(rows):
             if r == rows - 1 and r in listed:
