@@ -226,14 +226,17 @@ def pulls_until_end(call: Call, deadline_in_s: float) -> list[list]:
 
 
 def test_the_deadline_ends_a_stalled_request_after_what_arrived_in_time():
-    call = Stalled([step(1), step(2)], [step(k) for k in range(3, NUM_TOKENS)], stall_s=1.0)
-    pulls = pulls_until_end(call, deadline_in_s=0.2)
+    # The stall outlasts the test (the merge cancels it at the deadline); the deadline leaves
+    # a loaded machine ample time to deliver the outputs before the stall.
+    call = Stalled([step(1), step(2)], [step(k) for k in range(3, NUM_TOKENS)], stall_s=60.0)
+    pulls = pulls_until_end(call, deadline_in_s=1.0)
     assert [t for ready in pulls[:-1] for _, t in ready] == ["t0", "t1", "t2"]
     assert pulls[-1] == [(-1, None)]  # then the deadline, once, as the last pull
     assert call.cancelled
 
 
 def test_a_request_that_ends_before_its_deadline_never_sees_it():
-    pulls = pulls_until_end(Call([step(k) for k in range(1, NUM_TOKENS)]), deadline_in_s=0.05)
+    # A deadline far beyond the request's few microseconds, so a loaded machine cannot reach it.
+    pulls = pulls_until_end(Call([step(k) for k in range(1, NUM_TOKENS)]), deadline_in_s=3.0)
     assert [t for ready in pulls for _, t in ready] == [f"t{k}" for k in range(NUM_TOKENS)]
     assert all(i == 0 for ready in pulls for i, _ in ready)
