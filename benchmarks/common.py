@@ -161,10 +161,15 @@ def streaming_session(timeout_s: float = 900):
     return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
 
 
-async def stream_completion(session, url: str, body: dict) -> dict:
-    """POST a streamed `/v1/completions` request and read its SSE frames: the arrival time and
-    text of every frame that carries text, the usage frame, the server's request id and the
-    start time. An error frame (a failure after the headers went out) raises."""
+async def stream_completion(
+    session, url: str, model: str, prompt, max_tokens: int, extra: dict
+) -> dict:
+    """One greedy streamed `/v1/completions` request (`extra` merged into its body), its SSE
+    frames read as they come: TTFT and the gaps between frames that carry text (`itl`), the
+    arrival time and text of each (`stamps`, `pieces`), the usage frame and the server's request
+    id. An error frame (a failure after the headers went out) raises."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
+    body |= {"temperature": 0, "stream": True, **extra}
     start = time.perf_counter()
     stamps: list[float] = []
     pieces: list[str] = []
@@ -184,10 +189,13 @@ async def stream_completion(session, url: str, body: dict) -> dict:
             if text:
                 stamps.append(time.perf_counter())
                 pieces.append(text)
+    first = stamps[0] if stamps else time.perf_counter()
     return {
-        "start": start,
+        "ttft": first - start,
+        "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
         "stamps": stamps,
         "pieces": pieces,
+        "chunks": len(pieces),
         "usage": usage,
         "request_id": request_id,
     }

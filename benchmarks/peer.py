@@ -145,22 +145,19 @@ async def one_request(
     tokenizer: Any,
     extra: dict,
 ) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
-    body |= {"temperature": 0, "stream": True, **extra}
-    got = await stream_completion(session, url, body)
-    stamps, pieces, usage, start = got["stamps"], got["pieces"], got["usage"], got["start"]
-    if not stamps:
-        stamps = [time.perf_counter()]
-    if usage is not None:  # the server's own count (re-encoding merges a random model's text)
-        tokens = usage["completion_tokens"]
+    got = await stream_completion(session, url, model, prompt, max_tokens, extra)
+    # The server's own count where it gives one (re-encoding merges a random model's text).
+    if got["usage"] is not None:
+        tokens = got["usage"]["completion_tokens"]
     else:
-        tokens = len(tokenizer.encode("".join(pieces), add_special_tokens=False))
+        tokens = len(tokenizer.encode("".join(got["pieces"]), add_special_tokens=False))
+    stamps = got["stamps"] or [0.0]
     return {
-        "ttft": stamps[0] - start,
-        "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+        "ttft": got["ttft"],
+        "itl": got["itl"],
         # Time per output token after the first, per request.
         "tpot": (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else None,
-        "chunks": len(pieces),
+        "chunks": got["chunks"],
         "tokens": tokens,
     }
 

@@ -60,23 +60,9 @@ SCHEMA = {
 
 
 async def one_request(session, url, model, prompt, max_tokens, extra) -> dict:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        **extra,
-    }
-    got = await stream_completion(session, url, body)
-    stamps = got["stamps"] or [time.perf_counter()]
-    return {
-        "ttft": stamps[0] - got["start"],
-        "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
-        "tokens": got["usage"]["completion_tokens"] if got["usage"] else 0,
-        "chunks": len(got["stamps"]),
-        "request_id": got["request_id"],
-    }
+    got = await stream_completion(session, url, model, prompt, max_tokens, extra)
+    got["tokens"] = got["usage"]["completion_tokens"] if got["usage"] else 0
+    return got
 
 
 async def http_level(url, model, requests, concurrency, extra=None) -> dict:
