@@ -23,15 +23,38 @@ class _Dumpable(Protocol):
     def to_dict(self) -> dict[str, Any]: ...
 
 
+# What str.splitlines (and so httpx's `aiter_lines`) ends a line at, beyond the CR and LF that
+# JSON escapes itself: NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR, as UTF-8. Text a model
+# generates may hold them; inside a JSON string their escapes mean the same characters.
+_LINE_BREAKS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
+
+def dumps(data: Any) -> bytes:
+    """Compact JSON (orjson) that every line-splitting SSE reader keeps on one line: orjson
+    escapes CR, LF and the other control characters, and the Unicode line breaks it writes
+    raw are escaped here."""
+    out = orjson.dumps(data)
+    if b"\xc2\x85" in out or b"\xe2\x80" in out:
+        for raw, escaped in _LINE_BREAKS:
+            out = out.replace(raw, escaped)
+    return out
+
+
 def sse(data: Mapping[str, Any] | str) -> bytes:
     """One SSE event; a str is taken as already-serialized JSON."""
     if not isinstance(data, str):
-        # orjson writes compact JSON that never holds a raw newline (it escapes them).
-        return b"data: " + orjson.dumps(data) + b"\n\n"
+        return b"data: " + dumps(data) + b"\n\n"
     # NOTE: a raw newline would end the event early and the rest would be a second, bogus one.
     if "\n" in data or "\r" in data:
         raise ValueError("an SSE data line cannot contain a newline")
-    return f"data: {data}\n\n".encode()
+    out = data.encode()
+    for raw, escaped in _LINE_BREAKS:
+        out = out.replace(raw, escaped)
+    return b"data: " + out + b"\n\n"
 
 
 class ChunkFrames:
@@ -46,14 +69,14 @@ class ChunkFrames:
             raise ValueError("an envelope is a chunk with `choices: []` and no usage")
         # NOTE: the key's quotes are unescaped only in the key itself (a string value's
         # quotes are escaped), so the split is unambiguous.
-        head, sep, tail = orjson.dumps(envelope).partition(self._CHOICES)
+        head, sep, tail = dumps(envelope).partition(self._CHOICES)
         if not sep or self._CHOICES in tail:
             raise ValueError("the envelope's `choices` key was not found once")
         self._head = b"data: " + head + b'"choices":['
         self._tail = b"]" + tail + b"\n\n"
 
     def frame(self, choice: Mapping[str, Any]) -> bytes:
-        return self._head + orjson.dumps(choice) + self._tail
+        return self._head + dumps(choice) + self._tail
 
 
 class StreamOrderError(AssertionError):

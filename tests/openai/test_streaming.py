@@ -11,7 +11,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChunk
 
 from serve_app import errors
-from serve_app.openai.streaming import DONE, StreamOrderError, StreamState, sse
+from serve_app.openai.streaming import DONE, ChunkFrames, StreamOrderError, StreamState, sse
 from serve_app.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -118,6 +118,25 @@ def test_sse_framing() -> None:
     assert sse('{"x":1}') == b'data: {"x":1}\n\n'
     with pytest.raises(ValueError):
         sse('{"x":\n1}')
+
+
+@pytest.mark.parametrize("char", ["\x85", "\u2028", "\u2029", "\x0b", "\x0c", "\x1c", "\x1e"])
+def test_an_event_stays_one_line_for_readers_that_split_at_unicode_line_breaks(char) -> None:
+    """httpx's `aiter_lines` (like str.splitlines) also ends a line at NEL, LINE SEPARATOR and
+    PARAGRAPH SEPARATOR, which JSON may carry raw: a generated one split a chunk in two and
+    the client read half a JSON document. Each frame is one line, and decodes to the text."""
+    text = f"a{char}b"
+    frames = ChunkFrames({"id": "c", "object": "chunk", "choices": []})
+    for event in (
+        sse({"text": text}),
+        sse(json.dumps({"text": text}, ensure_ascii=False)),
+        frames.frame({"index": 0, "text": text}),
+    ):
+        assert event.endswith(b"\n\n")
+        lines = event[:-2].decode().splitlines()
+        assert len(lines) == 1, event
+        decoded = json.loads(lines[0].removeprefix("data: "))
+        assert text in (decoded.get("text"), decoded.get("choices", [{}])[0].get("text"))
 
 
 # -------------------------------------------------------------- illegal order
