@@ -104,10 +104,10 @@ def fused_cpu_ops(device: torch.device) -> bool:
 def cpu_masked_argmax() -> bool:
     """A constrained row whose winner its grammar forbids is re-picked by the engine's own CPU
     kernel (`masked_argmax` in actors/csrc/fused_ops.cpp: the largest allowed score in one
-    read of the row) instead of xgrammar's in-place mask, an argmax and an all-masked check,
-    unless `SERVE_APP_CPU_FUSED_OPS=0` or the kernels cannot be built here. The sampler works
-    on CPU tensors whatever the model's device; where its masks are not on the CPU it keeps
-    the xgrammar path."""
+    read of the row) instead of an in-place mask, an argmax and an all-masked check, and
+    rows that need the masked distribution are masked by its `apply_bitmask`, unless
+    `SERVE_APP_CPU_FUSED_OPS=0` or the kernels cannot be built here (then torch unpacks the
+    bits). The sampler works on CPU tensors whatever the model's device."""
     return fused_cpu_ops(torch.device("cpu"))
 
 

@@ -40,7 +40,8 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         # A forbidden winner's row re-picked by the engine's CPU kernel in one read of the row
         # (`serve_app::masked_argmax`) instead of masking it in place, then argmax, then the
-        # all-masked check (platform.cpu_masked_argmax).
+        # all-masked check; rows that need the masked distribution masked by its
+        # `apply_bitmask` instead of torch's unpacking (platform.cpu_masked_argmax).
         self.mask_kernel = mask_kernel
 
     def __call__(
@@ -72,7 +73,7 @@ class Sampler:
         filtered = [r for r in masked if states[r].params.needs_top_filter]
         dead = []
         if filtered:
-            _apply_mask(logits, bitmask, filtered)
+            _apply_mask(logits, bitmask, filtered, self.mask_kernel)
             dead = _all_masked(logits, filtered)
         scores = self._scores(logits, states)
         tokens = scores.argmax(dim=-1)
@@ -90,7 +91,7 @@ class Sampler:
                 tokens[refill] = picked
                 dead += [r for r, t in zip(refill, picked.tolist(), strict=True) if t < 0]
             elif refill:
-                _apply_mask(scores, bitmask, refill)
+                _apply_mask(scores, bitmask, refill, False)
                 tokens[refill] = scores[refill].argmax(dim=-1)
                 dead += _all_masked(scores, refill)
         # The constraint admits nothing more.
@@ -126,7 +127,7 @@ class Sampler:
         self._apply_penalties(logits, states)
         self._ban_stops_before_min_tokens(logits, states)
         if bitmask is not None and bitmask_rows:
-            _apply_mask(logits, bitmask, bitmask_rows)
+            _apply_mask(logits, bitmask, bitmask_rows, self.mask_kernel)
         return _filtered_probs(logits, states), raw
 
     def _apply_penalties(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> None:
@@ -214,11 +215,19 @@ def _all_masked(scores: torch.Tensor, rows: list[int]) -> list[int]:
     return [r for r, d in zip(rows, dead, strict=True) if d]
 
 
-def _apply_mask(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """-inf wherever row r of `bitmask` forbids a token, for each r in `rows` (in place)."""
-    import xgrammar
-
-    xgrammar.apply_token_bitmask_inplace(scores, bitmask, indices=rows)
+def _apply_mask(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int], kernel: bool) -> None:
+    """-inf wherever row r of `bitmask` forbids a token, for each r in `rows` (in place); tokens
+    past the bitmask's width stay allowed. The engine's own kernel where built, else torch:
+    xgrammar's CPU mask writes -inf up to the end of a partial last word, past the row (into
+    the next row, or the heap after the last one) when the vocab is not a multiple of 32."""
+    if kernel:
+        torch.ops.serve_app.apply_bitmask(scores, bitmask, torch.tensor(rows))
+        return
+    index = torch.tensor(rows)
+    covered = min(scores.shape[1], bitmask.shape[1] * 32)
+    bits = (bitmask[index].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    forbidden = bits.flatten(1)[:, :covered] == 0
+    scores[index, :covered] = scores[index, :covered].masked_fill(forbidden, float("-inf"))
 
 
 def _plain_greedy(states: list[SeqSamplingState], bitmask_rows: list[int] | None) -> bool:

@@ -187,6 +187,20 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+void check_bitmask_args(const at::Tensor& scores, const at::Tensor& bitmask,
+                        const at::Tensor& rows) {
+  check_rows(scores, "scores");
+  check_rows(bitmask, "bitmask");
+  TORCH_CHECK(scores.scalar_type() == at::kFloat, "scores must be float32");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt, "bitmask must be int32");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "rows must be a 1-d int64 tensor");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < scores.size(0) && rp[i] < bitmask.size(0),
+                "row ", rp[i], " is outside scores or bitmask");
+}
+
 // A grammar bitmask row: bit (j & 31) of word j >> 5 set where token j is allowed.
 // torch.argmax's answer on the row with every forbidden token set to -inf (the first index
 // of the largest value), in one read of the row: each word's 32 scores are reduced to the
@@ -235,17 +249,9 @@ int64_t masked_argmax_row(const float* s, const uint32_t* words, int64_t vocab, 
 
 at::Tensor masked_argmax(const at::Tensor& scores, const at::Tensor& bitmask,
                          const at::Tensor& rows) {
-  check_rows(scores, "scores");
-  check_rows(bitmask, "bitmask");
-  TORCH_CHECK(scores.scalar_type() == at::kFloat, "scores must be float32");
-  TORCH_CHECK(bitmask.scalar_type() == at::kInt, "bitmask must be int32");
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
-              "rows must be a 1-d int64 tensor");
+  check_bitmask_args(scores, bitmask, rows);
   const int64_t n = rows.numel(), vocab = scores.size(1), width = bitmask.size(1);
   const int64_t* rp = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < scores.size(0) && rp[i] < bitmask.size(0),
-                "row ", rp[i], " is outside scores or bitmask");
   at::Tensor out = at::empty({n}, rows.options());
   int64_t* op = out.data_ptr<int64_t>();
   const float* sp = scores.data_ptr<float>();
@@ -258,6 +264,36 @@ at::Tensor masked_argmax(const at::Tensor& scores, const at::Tensor& bitmask,
   return out;
 }
 
+// -inf wherever a row's grammar bitmask forbids a token, in place, for each row in `rows`.
+// Only the row's own tokens are written: a partial last word stops at the vocab (xgrammar's
+// CPU mask wrote up to the word's end, into the next row or past the tensor). Tokens past the
+// bitmask's width stay as they are.
+void apply_bitmask_row(float* s, const uint32_t* words, int64_t vocab, int64_t width) {
+  const int64_t covered = std::min(vocab, width * 32), full = covered / 32;
+  for (int64_t w = 0; w < full; ++w) {
+    const uint32_t bits = words[w];
+    if (bits == 0xffffffffu) continue;
+    float* p = s + w * 32;
+#pragma omp simd
+    for (int b = 0; b < 32; ++b) p[b] = ((bits >> b) & 1u) ? p[b] : -INFINITY;
+  }
+  for (int64_t j = full * 32; j < covered; ++j)
+    if (!((words[j >> 5] >> (j & 31)) & 1u)) s[j] = -INFINITY;
+}
+
+void apply_bitmask(at::Tensor& scores, const at::Tensor& bitmask, const at::Tensor& rows) {
+  check_bitmask_args(scores, bitmask, rows);
+  const int64_t n = rows.numel(), vocab = scores.size(1), width = bitmask.size(1);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  float* sp = scores.data_ptr<float>();
+  const auto* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  at::parallel_for(0, n, grain(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      apply_bitmask_row(sp + rp[i] * scores.stride(0), mp + rp[i] * bitmask.stride(0), vocab,
+                        width);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(serve_app, m) {
@@ -268,6 +304,7 @@ TORCH_LIBRARY_FRAGMENT(serve_app, m) {
       "-> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("masked_argmax(Tensor scores, Tensor bitmask, Tensor rows) -> Tensor");
+  m.def("apply_bitmask(Tensor(a!) scores, Tensor bitmask, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(serve_app, CPU, m) {
@@ -276,4 +313,5 @@ TORCH_LIBRARY_IMPL(serve_app, CPU, m) {
   m.impl("rotary_embedding", rotary_embedding);
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("masked_argmax", masked_argmax);
+  m.impl("apply_bitmask", apply_bitmask);
 }

@@ -7,8 +7,9 @@ layout, head dim, window and dtype the engine serves, with several query rows pe
 call. Prefill attention must give what torch's causal SDPA gives over the same chunk and cached
 prefix, on the engine's own strided views. The fused small ops (RMSNorm with its residual add,
 rotary, SiLU-and-mul) must give what the torch modules they replace give. A grammar row's
-masked argmax must be torch.argmax of the row masked by xgrammar first (-1 where nothing
-allowed scores above -inf)."""
+masked argmax must be torch.argmax of the row masked first (-1 where nothing allowed scores
+above -inf), and the grammar mask must write -inf over exactly the forbidden tokens of the
+rows it is given, and nowhere else."""
 
 from __future__ import annotations
 
@@ -285,31 +286,64 @@ def test_a_failed_build_leaves_torchs_path(monkeypatch, tmp_path, caplog):
     assert kernels.available() is False  # decided once per process
 
 
-def _masked_reference(scores, bitmask, rows):
-    """torch.argmax of each row with its forbidden tokens at -inf (bits unpacked by torch:
-    xgrammar's own CPU mask corrupts memory on vocabularies under 64 tokens)."""
-    vocab = scores.shape[1]
+def _allowed(bitmask, vocab):
+    """(rows, vocab) bools, bit by bit; tokens past the bitmask stay allowed."""
     bits = (bitmask.long().unsqueeze(-1) >> torch.arange(32)) & 1  # (rows, words, 32)
     allowed = bits.flatten(1).bool()[:, :vocab]
-    pad = vocab - allowed.shape[1]  # tokens past the bitmask stay allowed
-    allowed = torch.cat([allowed, torch.ones(allowed.shape[0], max(pad, 0), dtype=torch.bool)], 1)
-    masked = scores.masked_fill(~allowed, float("-inf"))
+    pad = vocab - allowed.shape[1]
+    return torch.cat([allowed, torch.ones(allowed.shape[0], max(pad, 0), dtype=torch.bool)], 1)
+
+
+def _masked_reference(scores, bitmask, rows):
+    """torch.argmax of each row with its forbidden tokens at -inf."""
+    masked = scores.masked_fill(~_allowed(bitmask, scores.shape[1]), float("-inf"))
     return [-1 if torch.isneginf(masked[r]).all() else int(masked[r].argmax()) for r in rows]
+
+
+def _random_bitmask(g, rows, vocab, density):
+    width = -(-vocab // 32)
+    bits = torch.rand(rows, width * 32, generator=g) < density / 32
+    words = (bits.view(rows, width, 32).long() << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("vocab", [49152, 49155, 70, 33, 5])
+def test_the_grammar_mask_writes_only_the_forbidden_tokens_of_its_rows(vocab, kernel):
+    """xgrammar's CPU mask wrote -inf up to the end of a partial last word: into the next
+    row's first tokens, and after the last row into the heap (a crash in 3 of 3 runs at
+    vocab 33). The sampler's mask must stay inside each row it is given."""
+    from actors.sampler import _apply_mask
+
+    assert kernels.available()
+    g = torch.Generator().manual_seed(vocab)
+    for density in (1, 3, 30, 31):
+        guard = 64
+        memory = torch.randn(12 * vocab + guard, generator=g)
+        before = memory.clone()
+        scores = memory[: 12 * vocab].view(12, vocab)
+        bitmask = _random_bitmask(g, 12, vocab, density)
+        bitmask[4], bitmask[5] = 0, -1  # nothing allowed, everything allowed
+        rows = [0, 1, 2, 4, 5, 7, 11]
+        _apply_mask(scores, bitmask, rows, kernel)
+        expected = before[: 12 * vocab].view(12, vocab).clone()
+        forbid = ~_allowed(bitmask, vocab)
+        for r in rows:
+            expected[r] = expected[r].masked_fill(forbid[r], float("-inf"))
+        assert torch.equal(scores, expected), (vocab, density)
+        assert torch.equal(memory[12 * vocab :], before[12 * vocab :])  # nothing past the rows
 
 
 @pytest.mark.parametrize("vocab", [49152, 49155, 70, 33, 5])
 def test_masked_argmax_is_the_argmax_of_the_masked_row(vocab):
     assert kernels.available()  # loads the operators
     g = torch.Generator().manual_seed(vocab)
-    width = -(-vocab // 32)
     for density in (1, 3, 30, 31):  # of 32 bits allowed, on average
         scores = torch.randn(12, vocab, generator=g)
         scores[1] = torch.randint(0, 3, (vocab,), generator=g).float()  # many ties
         scores[2, : vocab // 2] = float("-inf")
         scores[3] = float("-inf")
-        bits = torch.rand(12, width * 32, generator=g) < density / 32
-        words = (bits.view(12, width, 32).long() << torch.arange(32)).sum(-1)
-        bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        bitmask = _random_bitmask(g, 12, vocab, density)
         bitmask[4] = 0  # nothing allowed
         bitmask[5] = -1  # everything allowed
         rows = [0, 1, 2, 3, 4, 5, 7, 11]
@@ -331,9 +365,14 @@ def test_masked_argmax_reads_rows_in_place_and_tokens_past_the_bitmask_stay_allo
     assert got.tolist() == [int(scores[r, 96:].argmax()) + 96 for r in (0,)] + [4] + [
         int(scores[4, 96:].argmax()) + 96
     ]
+    # The mask writes through the same strided view: rows 0, 2, 4 only, up to the bitmask.
+    before = scores.clone()
+    torch.ops.serve_app.apply_bitmask(view, bitmask[:3], torch.tensor([0, 1, 2]))
+    assert torch.equal(scores[1::2], before[1::2]) and torch.equal(scores[:, 96:], before[:, 96:])
+    assert torch.isneginf(scores[::2, :96]).sum() == 3 * 96 - 1 and scores[2, 4] == 50.0
 
 
-def test_masked_argmax_refuses_what_it_does_not_take():
+def test_the_grammar_ops_refuse_what_they_do_not_take():
     assert kernels.available()
     scores, bitmask = torch.randn(2, 64), torch.full((2, 2), -1, dtype=torch.int32)
     rows = torch.tensor([0, 1])
@@ -345,3 +384,7 @@ def test_masked_argmax_refuses_what_it_does_not_take():
         torch.ops.serve_app.masked_argmax(scores, bitmask[:1], rows)
     with pytest.raises(RuntimeError, match="rows must be"):
         torch.ops.serve_app.masked_argmax(scores, bitmask, rows.int())
+    with pytest.raises(RuntimeError, match="outside scores or bitmask"):
+        torch.ops.serve_app.apply_bitmask(scores, bitmask, torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="scores must be float32"):
+        torch.ops.serve_app.apply_bitmask(scores.half(), bitmask, rows)
