@@ -218,8 +218,9 @@ def _all_masked(scores: torch.Tensor, rows: list[int]) -> list[int]:
 def _apply_mask(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int], kernel: bool) -> None:
     """-inf wherever row r of `bitmask` forbids a token, for each r in `rows` (in place); tokens
     past the bitmask's width stay allowed. The engine's own kernel where built, else torch:
-    xgrammar's CPU mask writes -inf up to the end of a partial last word, past the row (into
-    the next row, or the heap after the last one) when the vocab is not a multiple of 32."""
+    where the vocab is not a multiple of 32, xgrammar's CPU mask can write one -inf past the
+    row (seen at the last word's first forbidden bit beyond the vocab, when the word's tokens
+    inside the vocab were all allowed): into the next row, or the heap after the last one."""
     if kernel:
         torch.ops.serve_app.apply_bitmask(scores, bitmask, torch.tensor(rows))
         return

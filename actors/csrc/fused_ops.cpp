@@ -266,8 +266,8 @@ at::Tensor masked_argmax(const at::Tensor& scores, const at::Tensor& bitmask,
 
 // -inf wherever a row's grammar bitmask forbids a token, in place, for each row in `rows`.
 // Only the row's own tokens are written: a partial last word stops at the vocab (xgrammar's
-// CPU mask wrote up to the word's end, into the next row or past the tensor). Tokens past the
-// bitmask's width stay as they are.
+// CPU mask could write one -inf past it, into the next row or past the tensor). Tokens past
+// the bitmask's width stay as they are.
 void apply_bitmask_row(float* s, const uint32_t* words, int64_t vocab, int64_t width) {
   const int64_t covered = std::min(vocab, width * 32), full = covered / 32;
   for (int64_t w = 0; w < full; ++w) {

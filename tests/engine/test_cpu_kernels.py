@@ -310,8 +310,8 @@ def _random_bitmask(g, rows, vocab, density):
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("vocab", [49152, 49155, 70, 33, 5])
 def test_the_grammar_mask_writes_only_the_forbidden_tokens_of_its_rows(vocab, kernel):
-    """xgrammar's CPU mask wrote -inf up to the end of a partial last word: into the next
-    row's first tokens, and after the last row into the heap (a crash in 3 of 3 runs at
+    """xgrammar's CPU mask could write one -inf past a row whose last word is partial: into
+    the next row's tokens, and after the last row into the heap (a crash in 3 of 3 runs at
     vocab 33). The sampler's mask must stay inside each row it is given."""
     from actors.sampler import _apply_mask
 
