@@ -33,15 +33,18 @@ _LINE_BREAKS = (
 )
 
 
+def _escape_line_breaks(json_bytes: bytes) -> bytes:
+    if b"\xc2\x85" in json_bytes or b"\xe2\x80" in json_bytes:
+        for raw, escaped in _LINE_BREAKS:
+            json_bytes = json_bytes.replace(raw, escaped)
+    return json_bytes
+
+
 def dumps(data: Any) -> bytes:
     """Compact JSON (orjson) that every line-splitting SSE reader keeps on one line: orjson
     escapes CR, LF and the other control characters, and the Unicode line breaks it writes
     raw are escaped here."""
-    out = orjson.dumps(data)
-    if b"\xc2\x85" in out or b"\xe2\x80" in out:
-        for raw, escaped in _LINE_BREAKS:
-            out = out.replace(raw, escaped)
-    return out
+    return _escape_line_breaks(orjson.dumps(data))
 
 
 def sse(data: Mapping[str, Any] | str) -> bytes:
@@ -51,10 +54,7 @@ def sse(data: Mapping[str, Any] | str) -> bytes:
     # NOTE: a raw newline would end the event early and the rest would be a second, bogus one.
     if "\n" in data or "\r" in data:
         raise ValueError("an SSE data line cannot contain a newline")
-    out = data.encode()
-    for raw, escaped in _LINE_BREAKS:
-        out = out.replace(raw, escaped)
-    return b"data: " + out + b"\n\n"
+    return b"data: " + _escape_line_breaks(data.encode()) + b"\n\n"
 
 
 class ChunkFrames:
