@@ -24,6 +24,7 @@ from actors.layers import kernels
 from actors.layers.norm import RMSNorm
 from actors.layers.rotary import RotaryEmbedding
 from actors.models.llama import LlamaMLP
+from tests.support.grammar import masked_by_bits
 
 
 def test_the_project_builds_its_kernels_on_this_machine():
@@ -286,17 +287,9 @@ def test_a_failed_build_leaves_torchs_path(monkeypatch, tmp_path, caplog):
     assert kernels.available() is False  # decided once per process
 
 
-def _allowed(bitmask, vocab):
-    """(rows, vocab) bools, bit by bit; tokens past the bitmask stay allowed."""
-    bits = (bitmask.long().unsqueeze(-1) >> torch.arange(32)) & 1  # (rows, words, 32)
-    allowed = bits.flatten(1).bool()[:, :vocab]
-    pad = vocab - allowed.shape[1]
-    return torch.cat([allowed, torch.ones(allowed.shape[0], max(pad, 0), dtype=torch.bool)], 1)
-
-
 def _masked_reference(scores, bitmask, rows):
     """torch.argmax of each row with its forbidden tokens at -inf."""
-    masked = scores.masked_fill(~_allowed(bitmask, scores.shape[1]), float("-inf"))
+    masked = masked_by_bits(scores, bitmask, rows)
     return [-1 if torch.isneginf(masked[r]).all() else int(masked[r].argmax()) for r in rows]
 
 
@@ -326,10 +319,7 @@ def test_the_grammar_mask_writes_only_the_forbidden_tokens_of_its_rows(vocab, ke
         bitmask[4], bitmask[5] = 0, -1  # nothing allowed, everything allowed
         rows = [0, 1, 2, 4, 5, 7, 11]
         _apply_mask(scores, bitmask, rows, kernel)
-        expected = before[: 12 * vocab].view(12, vocab).clone()
-        forbid = ~_allowed(bitmask, vocab)
-        for r in rows:
-            expected[r] = expected[r].masked_fill(forbid[r], float("-inf"))
+        expected = masked_by_bits(before[: 12 * vocab].view(12, vocab), bitmask, rows)
         assert torch.equal(scores, expected), (vocab, density)
         assert torch.equal(memory[12 * vocab :], before[12 * vocab :])  # nothing past the rows
 

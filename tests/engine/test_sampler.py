@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 from actors.layers import kernels
 from actors.sampler import NO_TOKEN, Sampler, SeqSamplingState
 from actors.sampling_params import SamplingParams
+from tests.support.grammar import masked_by_bits
 
 VOCAB = 40
 EOS_IDS = (1, 4)
@@ -57,17 +58,6 @@ def allow_only(bitmask: torch.Tensor, row: int, token_ids: set[int]) -> None:
         words[t // 32] |= 1 << (t % 32)
     signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]
     bitmask[row] = torch.tensor(signed, dtype=torch.int32)
-
-
-def masked_by_bits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """A copy of `logits` with each listed row's forbidden tokens at -inf, bit by bit (not
-    xgrammar's CPU mask: on a vocab that is not a multiple of 32 it writes past the row)."""
-    vocab = logits.shape[1]
-    allowed = (((bitmask.long().unsqueeze(-1) >> torch.arange(32)) & 1).flatten(1) == 1)[:, :vocab]
-    masked = logits.clone()
-    for r in rows:
-        masked[r] = masked[r].masked_fill(~allowed[r], float("-inf"))
-    return masked
 
 
 def one_hot_logits(values: dict[int, float], base: float = 0.0) -> torch.Tensor:
