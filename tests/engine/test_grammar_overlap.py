@@ -18,6 +18,7 @@ from serve_app.grammar.spec import GrammarSpec
 
 COMPILE_DELAY_S = 0.5
 PROMPT_TOKENS = 512
+ROUNDS = 3
 
 
 @pytest.fixture(scope="module")
@@ -48,34 +49,52 @@ def test_slow_compile_overlaps_prefill(bench_path):
     cache = CompiledGrammarCache(lambda: load_tokenizer_info(bench_path))
     payload = asyncio.run(service.compile(GrammarSpec("json_object", "")))
 
-    async def slow_compile():
-        await asyncio.sleep(COMPILE_DELAY_S)
+    async def compiled(delay_s: float):
+        await asyncio.sleep(delay_s)
         return payload
 
     async def scenario():
         engine = AsyncEngine(llm.engine, cache.get_constraint)
         engine.core.shutdown = lambda: None  # the LLM owns the executor
         try:
-            await first_token_after(engine, prompt(0))  # warm-up
-            prefill, _ = await first_token_after(engine, prompt(1))
-            constrained, timeline = await first_token_after(engine, prompt(2), slow_compile())
-            return prefill, constrained, timeline
+            # Warm-up: the first prefill of this length, and the engine's first grammar (the
+            # cache builds its tokenizer info lazily), are not what is measured.
+            await first_token_after(engine, prompt(0))
+            await first_token_after(engine, prompt(1), compiled(0.0))
+            rounds = []
+            for i in range(ROUNDS):
+                prefill, _ = await first_token_after(engine, prompt(10 + i))
+                constrained, timeline = await first_token_after(
+                    engine, prompt(20 + i), compiled(COMPILE_DELAY_S)
+                )
+                rounds.append((prefill, constrained, timeline))
+            return rounds
         finally:
             engine.shutdown()
 
     try:
-        prefill, constrained, timeline = asyncio.run(scenario())
+        rounds = asyncio.run(scenario())
     finally:
         service.close()
         llm.shutdown()
-    # Prefill began long before the grammar arrived, and the first token followed the
-    # grammar by about one step: the two waits overlapped instead of adding up.
-    assert timeline["scheduled_s"] < timeline["grammar_ready_s"], timeline
-    assert timeline["first_token_s"] >= timeline["grammar_ready_s"], timeline
+    for _, _, timeline in rounds:
+        # Prefill began long before the grammar arrived, and the first token followed it.
+        assert timeline["scheduled_s"] < timeline["grammar_ready_s"], rounds
+        assert timeline["first_token_s"] >= timeline["grammar_ready_s"], rounds
+        assert timeline["grammar_ready_s"] >= COMPILE_DELAY_S, rounds
+
+    def saved(prefill: float, constrained: float, timeline: dict) -> float:
+        # Against when the grammar really arrived (a loaded machine can deliver it later
+        # than the nominal delay): without overlap the first token would come a whole
+        # prefill after the grammar.
+        return prefill + timeline["grammar_ready_s"] - constrained
+
     # Not their sum: a good part of the shorter wait was hidden behind the longer one (not
-    # all of it: the event loop that delivers the grammar shares the GIL with the step).
-    saved = prefill + COMPILE_DELAY_S - constrained
-    assert saved > 0.2 * min(prefill, COMPILE_DELAY_S), (prefill, constrained, timeline)
+    # all of it: the event loop that delivers the grammar shares the GIL with the step). The
+    # best of a few rounds: a loaded machine only ever adds time.
+    best = max(rounds, key=lambda r: saved(*r))
+    prefill, _, timeline = best
+    assert saved(*best) > 0.2 * min(prefill, timeline["grammar_ready_s"]), rounds
 
 
 def test_an_engine_waiting_for_a_grammar_leaves_the_cpu_idle(bench_path):
