@@ -84,7 +84,7 @@ def main() -> None:
             row = run_beside(model.path, reqs, args.threads, cores, niceness)
             runs[name].append({"run": r, **row})
             print(name, row, file=sys.stderr, flush=True)
-    alone = statistics.median(x["tok_s"] for x in runs["alone"])
+    tok_s = {name: statistics.median(x["tok_s"] for x in rows) for name, rows in runs.items()}
     result = {
         "checkpoint": model.label,
         "dtype": "float32",
@@ -95,8 +95,8 @@ def main() -> None:
             name: {
                 "load_cores": cores,
                 "niceness": niceness,
-                "tok_s": statistics.median(x["tok_s"] for x in runs[name]),
-                "vs_alone": statistics.median(x["tok_s"] for x in runs[name]) / alone,
+                "tok_s": tok_s[name],
+                "vs_alone": tok_s[name] / tok_s["alone"],
                 "load_got_cores": statistics.median(x["load_got_cores"] for x in runs[name]),
                 "runs": runs[name],
             }
