@@ -91,7 +91,7 @@ class Sampler:
                 tokens[refill] = picked
                 dead += [r for r, t in zip(refill, picked.tolist(), strict=True) if t < 0]
             elif refill:
-                _apply_mask(scores, bitmask, refill, False)
+                _apply_mask(scores, bitmask, refill, self.mask_kernel)
                 tokens[refill] = scores[refill].argmax(dim=-1)
                 dead += _all_masked(scores, refill)
         # The constraint admits nothing more.
@@ -221,7 +221,7 @@ def _apply_mask(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int], ke
     where the vocab is not a multiple of 32, xgrammar's CPU mask can write one -inf past the
     row (seen at the last word's first forbidden bit beyond the vocab, when the word's tokens
     inside the vocab were all allowed): into the next row, or the heap after the last one."""
-    if kernel:
+    if kernel and scores.is_cpu and bitmask.is_cpu:
         torch.ops.serve_app.apply_bitmask(scores, bitmask, torch.tensor(rows))
         return
     index = torch.tensor(rows)
