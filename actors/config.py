@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +126,9 @@ def _eos_token_ids(path: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    # Tokens per KV block.
-    block_size: int = 16
+    # Tokens per KV block; None: the platform's default (`platform.default_block_size`:
+    # 128 on CPU, 16 on CUDA), settled by the engine core once it knows where its ranks run.
+    block_size: int | None = None
     # Bytes of KV cache per rank; ignored when num_blocks is set.
     memory_budget_bytes: int = 512 * 1024**2
     # Exact number of blocks (tests use it to force preemption).
@@ -135,12 +136,22 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (
+            self.block_size < 1 or self.block_size & (self.block_size - 1)
+        ):
             raise ValueError(f"block_size ({self.block_size}) must be a power of two")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks ({self.num_blocks}) must be >= 1")
         if self.memory_budget_bytes < 1:
             raise ValueError("memory_budget_bytes must be positive")
+
+    def settled(self, on_gpu: bool) -> CacheConfig:
+        """This config with its block size decided: the operator's, else the platform's."""
+        if self.block_size is not None:
+            return self
+        from actors.platform import default_block_size
+
+        return replace(self, block_size=default_block_size(on_gpu))
 
 
 @dataclass(frozen=True)

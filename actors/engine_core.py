@@ -22,7 +22,7 @@ from actors.deadlines import (
     veto_hopeless,
 )
 from actors.detokenizer import IncrementalDetokenizer
-from actors.executor import ExecutorError, make_executor
+from actors.executor import ExecutorError, make_executor, ranks_on_gpu
 from actors.grammar_state import MaskFiller
 from actors.kv_cache import BlockManager
 from actors.messages import NewSeqData, ScheduledItem, StepInput, StepOutput, TokenLogprobs
@@ -82,13 +82,14 @@ class EngineCore:
         self.model_config = model_config
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         self.deadline_config = deadline_config or DeadlineConfig(None, None)
-        self.cache_config = cache_config or CacheConfig()
+        parallel_config = parallel_config or ParallelConfig()
+        self.cache_config = (cache_config or CacheConfig()).settled(ranks_on_gpu(parallel_config))
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.tokenizer = tokenizer
         self.executor = make_executor(
             model_config,
             self.cache_config,
-            parallel_config or ParallelConfig(),
+            parallel_config,
             seed,
             self.speculative_config,
         )

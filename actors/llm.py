@@ -47,7 +47,7 @@ class LLM:
         dtype: str | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
-        block_size: int = 16,
+        block_size: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_bytes: int = 512 * 1024**2,
         enable_prefix_caching: bool = True,

@@ -69,7 +69,8 @@ class ModelRunner:
         build: Callable[[TorchPagedAttention], nn.Module] | None = None,
     ):
         self.config = model_config
-        self.cache_config = cache_config
+        # The engine core settles the block size first; a runner built alone settles it here.
+        self.cache_config = cache_config.settled(device.type == "cuda")
         self.device = device
         tp = get_tp_group()
         self.is_driver = tp.rank == 0
@@ -91,7 +92,7 @@ class ModelRunner:
         else:  # a model made of another's parts (the self-draft's)
             self.model = build(self.backend)
         self.num_local_kv_heads = self.backend.num_kv_heads
-        self.block_size = cache_config.block_size
+        self.block_size: int = self.cache_config.block_size  # type: ignore[assignment]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.head_offsets = torch.zeros(0, dtype=torch.long)
         self.sampler = Sampler(
@@ -115,7 +116,7 @@ class ModelRunner:
             self.draft = DraftRunner(
                 speculative_config,
                 model_config,
-                cache_config,
+                self.cache_config,
                 device,
                 self.model,
                 ModelRunner,

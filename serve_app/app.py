@@ -10,6 +10,7 @@ from ray import serve
 from ray.serve import Application
 
 from actors.executor.ray_tp import cluster_has_gpus, rank_bundles
+from actors.platform import default_block_size
 from serve_app import ray_env
 from serve_app.checkpoints.chat_templates import renders_tools, resolve_chat_template
 from serve_app.checkpoints.identity import artifact_identity
@@ -34,6 +35,17 @@ ENGINE_MAX_ONGOING = 4096
 def engine_uses_gpu(config: ServeConfig) -> bool:
     use_gpu = config.engine.use_gpu
     return cluster_has_gpus() if use_gpu is None else use_gpu
+
+
+def settle_block_size(config: ServeConfig) -> ServeConfig:
+    """`config` with the engine's KV block size decided (the platform's default where the
+    config names none: `actors.platform.default_block_size`), so that the engine and
+    `/v1/server_info` name the same number."""
+    if config.engine.block_size is not None:
+        return config
+    block_size = default_block_size(engine_uses_gpu(config))
+    engine = config.engine.model_copy(update={"block_size": block_size})
+    return config.model_copy(update={"engine": engine})
 
 
 def engine_bundles(config: ServeConfig) -> list[dict[str, float]] | None:
@@ -149,6 +161,7 @@ def build_app(config: ServeConfig, identity: dict[str, Any] | None = None) -> Ap
     caller has it already (serve_app/server.py computes it while Ray starts)."""
     if identity is None:
         identity = app_identity(config)
+    config = settle_block_size(config)
     tokenizer = serve.deployment(
         TokenizerService,
         name="tokenizer",

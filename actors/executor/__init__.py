@@ -14,6 +14,18 @@ from actors.executor.base import Executor, ExecutorError
 from actors.spec_decode.config import SpeculativeConfig
 
 
+def ranks_on_gpu(parallel_config: ParallelConfig) -> bool:
+    """Whether the executor `make_executor` picks runs its ranks on GPUs: at TP=1 this
+    process's device, above it the rank bundles' (`ray_tp.bundles_use_gpu`)."""
+    if parallel_config.tensor_parallel_size == 1:
+        from actors.platform import is_cuda
+
+        return is_cuda()
+    from actors.executor.ray_tp import bundles_use_gpu
+
+    return bundles_use_gpu(parallel_config)
+
+
 def make_executor(
     model_config: ModelConfig,
     cache_config: CacheConfig,
@@ -36,4 +48,4 @@ def make_executor(
     return RayExecutor(model_config, cache_config, parallel_config, seed, speculative_config)
 
 
-__all__ = ["Executor", "ExecutorError", "make_executor"]
+__all__ = ["Executor", "ExecutorError", "make_executor", "ranks_on_gpu"]

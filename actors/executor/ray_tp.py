@@ -49,6 +49,11 @@ def cluster_has_gpus() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
+def bundles_use_gpu(config: ParallelConfig) -> bool:
+    """Whether rank bundles ask for a GPU: `use_gpu`, else whether the cluster has GPUs."""
+    return cluster_has_gpus() if config.use_gpu is None else config.use_gpu
+
+
 class RankResources:
     """What an executor holds outside this process: its rank actors and the placement group
     it created (None when it runs in its caller's group). Holds nothing else, so a finalizer
@@ -124,8 +129,7 @@ class RayExecutor(Executor):
                 f"tensor_parallel_size ({self.tp}) needs {self.tp} bundles after the replica's "
                 f"own, but its placement group has {n}"
             )
-        use_gpu = cluster_has_gpus() if config.use_gpu is None else config.use_gpu
-        bundles = rank_bundles(self.tp, use_gpu)
+        bundles = rank_bundles(self.tp, bundles_use_gpu(config))
         pg = placement_group(
             bundles, strategy=config.placement_strategy, name=executor_group_name()
         )

@@ -39,7 +39,8 @@ class EngineOptions(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     # The engine's default (actors.config.DEFAULT_MAX_NUM_BATCHED_TOKENS; why 2,048 there).
     max_num_batched_tokens: int = Field(2048, ge=1)
-    block_size: int = Field(16, ge=1)
+    # None: the platform's (128 tokens on CPU, 16 on CUDA; actors.platform.default_block_size).
+    block_size: int | None = Field(None, ge=1)
     kv_cache_bytes: int = Field(512 * 1024**2, ge=1)
     enable_prefix_caching: bool = True
     # Cached prefixes are keyed by tenant; the tenants listed here pool one shared cache

@@ -72,7 +72,9 @@ def test_chunked_prefill_and_preemption_keep_outputs_identical(arch_setup):
     arch, path, hf = arch_setup
     # A small step budget forces chunked prefill; 20 blocks of 16 tokens cannot hold all six
     # sequences at once, so the scheduler must preempt and recompute.
-    llm = LLM(model=path, max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=20)
+    llm = LLM(
+        model=path, max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=20, block_size=16
+    )
     prompts = _prompts(hf.config.vocab_size)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
@@ -85,7 +87,7 @@ def test_chunked_prefill_and_preemption_keep_outputs_identical(arch_setup):
 
 
 def test_prefix_cache_reuses_blocks_and_keeps_outputs(model_dirs):
-    llm = LLM(model=str(model_dirs("llama")))
+    llm = LLM(model=str(model_dirs("llama")), block_size=16)
     prompt = list(range(10, 10 + 70))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     cold = llm.generate([prompt], params)[0]
@@ -123,7 +125,7 @@ def test_prefill_logits_match_transformers_at_every_position(arch_setup):
 def test_a_preempted_request_that_streamed_is_not_ended_by_the_queue_time(model_dirs):
     """The maximum queue time is for requests that never started: one preempted (back in the
     queue, its KV freed) after its first tokens runs to the end."""
-    llm = LLM(model=str(model_dirs("llama")), max_num_seqs=8, num_kv_blocks=12)
+    llm = LLM(model=str(model_dirs("llama")), max_num_seqs=8, num_kv_blocks=12, block_size=16)
     engine = llm.engine
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     for i in range(6):

@@ -77,7 +77,9 @@ def test_chunked_prefill_and_preemption_report_each_position_once(arch_setup):
     arch, path, hf = arch_setup
     # A 48-token step budget splits every longer prompt over several steps; 14 blocks of 16
     # cannot hold all the sequences at once, so some are preempted and recomputed.
-    llm = LLM(model=path, max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=14)
+    llm = LLM(
+        model=path, max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=14, block_size=16
+    )
     prompts = _prompts(hf.config.vocab_size)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
     results = llm.generate(prompts, params)
@@ -89,7 +91,7 @@ def test_chunked_prefill_and_preemption_report_each_position_once(arch_setup):
 
 def test_a_cached_prefix_is_recomputed_for_its_logprobs(arch_setup):
     arch, path, hf = arch_setup
-    llm = LLM(model=path)
+    llm = LLM(model=path, block_size=16)
     prompt = _prompts(hf.config.vocab_size)[-2]  # 70 tokens: 4 full blocks
     plain = SamplingParams(max_tokens=1, temperature=0.0)
     assert llm.generate([prompt], plain)[0].num_cached_tokens == 0

@@ -27,6 +27,7 @@ def test_tp2_matches_tp1(ray_session, model_dirs, arch):
         max_num_seqs=4,
         max_num_batched_tokens=32,
         num_kv_blocks=14,
+        block_size=16,
     )
     try:
         tp2 = llm.generate(PROMPTS, GREEDY)
