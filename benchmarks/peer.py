@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from actors.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from actors.platform import CPU_BLOCK_SIZE
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_peer  # noqa: E402
@@ -383,6 +384,9 @@ def main() -> None:
         # Tokens a step takes (decodes and prefill chunks): ours the engine's default, served
         # and offline; vLLM's CPU build defaults to 2,048 served and 4,096 offline.
         "ours_max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        # KV block tokens: both sides their CPU default (ours actors.platform.CPU_BLOCK_SIZE;
+        # vLLM's CPU platform sets 128 when none is given).
+        "block_size": {"ours": CPU_BLOCK_SIZE, "vllm": 128} if vllm else {"ours": CPU_BLOCK_SIZE},
     }
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as log_dir:
         sides = [("ours", lambda: start_ours(path, args.threads, log_dir, env, args.dtype))]

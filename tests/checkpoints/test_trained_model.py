@@ -55,7 +55,11 @@ def llm(trained_gguf: Path):
     # of 16 tokens hold only three of the four chats' 70-90 tokens, so batching all four
     # preempts. A prompt alone still fits.
     engine = LLM(
-        model=str(trained_gguf), max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=16
+        model=str(trained_gguf),
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_kv_blocks=16,
+        block_size=16,
     )
     yield engine
     engine.close()

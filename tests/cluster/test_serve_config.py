@@ -159,3 +159,16 @@ def test_the_served_engine_takes_the_engine_defaults_it_does_not_override():
     assert served.max_num_seqs == SchedulerConfig().max_num_seqs == llm["max_num_seqs"].default
     assert served.block_size == llm["block_size"].default
     assert served.kv_cache_bytes == llm["kv_cache_bytes"].default
+
+
+def test_the_served_block_size_is_settled_before_the_graph_is_built(model_dirs):
+    """The engine and /v1/server_info name one number: the config's, else the platform's."""
+    from serve_app.app import settle_block_size
+    from serve_app.config.options import ServeConfig
+
+    model = str(model_dirs("llama"))
+    assert settle_block_size(ServeConfig(model=model)).engine.block_size == 128  # no GPUs here
+    on_gpus = ServeConfig(model=model, engine={"use_gpu": True})
+    assert settle_block_size(on_gpus).engine.block_size == 16
+    chosen = ServeConfig(model=model, engine={"block_size": 32})
+    assert settle_block_size(chosen).engine.block_size == 32

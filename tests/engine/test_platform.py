@@ -34,3 +34,34 @@ def test_cuda_defaults_to_bf16_and_nccl(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert platform.default_dtype() is torch.float32
     assert platform.distributed_backend() == "gloo"
+
+
+def test_kv_blocks_default_to_128_tokens_on_cpu_and_16_on_cuda(monkeypatch: pytest.MonkeyPatch):
+    from actors.config import CacheConfig, ParallelConfig
+    from actors.executor import ranks_on_gpu
+
+    assert CacheConfig().settled(on_gpu=False).block_size == 128
+    assert CacheConfig().settled(on_gpu=True).block_size == 16
+    # An operator's block size stands on either.
+    assert CacheConfig(block_size=32).settled(on_gpu=False).block_size == 32
+    assert CacheConfig(block_size=32).settled(on_gpu=True).block_size == 32
+    # At TP=1 the ranks run where this process does; above, where their bundles ask.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ranks_on_gpu(ParallelConfig()) is True
+    assert ranks_on_gpu(ParallelConfig(tensor_parallel_size=2, use_gpu=False)) is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ranks_on_gpu(ParallelConfig()) is False
+    assert ranks_on_gpu(ParallelConfig(tensor_parallel_size=2, use_gpu=True)) is True
+
+
+def test_a_cpu_engine_with_no_block_size_pages_its_cache_in_128_token_blocks(model_dirs):
+    from actors import LLM, SamplingParams
+
+    with LLM(model=str(model_dirs("llama")), num_kv_blocks=8) as llm:
+        core = llm.engine
+        assert core.cache_config.block_size == core.block_manager.block_size == 128
+        k_cache, v_cache = core.executor.worker.runner.kv_caches[0]
+        assert k_cache.shape[2] == v_cache.shape[2] == 128  # (kv_heads, blocks, 128, head_dim)
+        out = llm.generate([list(range(10, 140))], SamplingParams(max_tokens=2, temperature=0))
+        assert len(out[0].outputs[0].token_ids) == 2
+        assert llm.stats()["kv_blocks_used"] == 0

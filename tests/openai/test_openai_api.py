@@ -42,21 +42,35 @@ def test_models_and_server_info(serve_url, client, model_id):
     assert "special tokens are not added" in info["token_id_prompts"]
 
 
-def test_chat_greedy_usage_and_length(client, model_id):
+def test_chat_greedy_usage_and_length(serve_url, client, model_id):
+    # A prompt of more than one KV block, so that a repeat has a full block to reuse.
+    block_size = httpx.get(f"{serve_url}/v1/server_info").json()["engine"]["block_size"]
+    long_chat = [{"role": "user", "content": "Say something about JSON. " * (block_size // 4)}]
     r = client.chat.completions.create(
-        model=model_id, messages=CHAT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        model=model_id,
+        messages=long_chat,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     choice = r.choices[0]
     assert choice.finish_reason == "length"
     assert r.usage.completion_tokens == 12
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12
     assert r.system_fingerprint.startswith("fp_")
+    assert r.usage.prompt_tokens > block_size
     again = client.chat.completions.create(
-        model=model_id, messages=CHAT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        model=model_id,
+        messages=long_chat,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     assert again.choices[0].message.content == choice.message.content
-    # The second time the prompt's full blocks come from the prefix cache.
-    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    # The second time the prompt's full blocks come from the prefix cache (all but the one
+    # holding its last token, which is computed again).
+    cached = (r.usage.prompt_tokens - 1) // block_size * block_size
+    assert again.usage.prompt_tokens_details.cached_tokens == cached > 0
     assert again.usage.prompt_tokens == r.usage.prompt_tokens
 
 
