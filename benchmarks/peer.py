@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -238,6 +239,22 @@ def sweep(
     return out
 
 
+def median_level(rounds: tuple[dict, ...]) -> dict:
+    """One level's figures over rounds: the median of every number (nested alike)."""
+    first = rounds[0]
+    out: dict = {}
+    for key, value in first.items():
+        if isinstance(value, dict):
+            out[key] = median_level(tuple(r[key] for r in rounds))
+        elif isinstance(value, int) and not isinstance(value, bool):  # counts stay whole
+            out[key] = statistics.median_low(r[key] for r in rounds)
+        elif isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in rounds)
+        else:
+            out[key] = value
+    return out
+
+
 def ratios(ours: list[dict], theirs: list[dict]) -> list[dict]:
     rows = []
     for a, b in zip(ours, theirs, strict=True):
@@ -339,6 +356,13 @@ def main() -> None:
     )
     parser.add_argument("--no-offline", action="store_true", help="skip engine-to-engine")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="start the two servers in turn this many times (ours, theirs, theirs, ours, ...); "
+        "each level's figures are the medians over the rounds, every round kept in `rounds`",
+    )
+    parser.add_argument(
         "--json-schema",
         action="store_true",
         help="every request constrained by the production-shaped schema "
@@ -394,14 +418,21 @@ def main() -> None:
             sides.append(("theirs", lambda: start_vllm(path, args.threads, log_dir, args.dtype)))
         else:
             sides.append(("theirs", lambda: start_theirs(path, log_dir, env, args.dtype)))
-        for side, start in sides:
-            server = start()
-            try:
-                result[side] = sweep(
-                    server, requests, levels, per_level, max_tokens, tokenizer, extra
-                )
-            finally:
-                server.stop()
+        runs: dict[str, list[list[dict]]] = {side: [] for side, _ in sides}
+        for r in range(args.rounds):
+            # ABBA order: drift of the machine over a run weighs on both sides alike.
+            for side, start in sides if r % 2 == 0 else sides[::-1]:
+                server = start()
+                try:
+                    runs[side].append(
+                        sweep(server, requests, levels, per_level, max_tokens, tokenizer, extra)
+                    )
+                finally:
+                    server.stop()
+        for side, side_runs in runs.items():
+            result[side] = [median_level(rounds) for rounds in zip(*side_runs, strict=True)]
+        if args.rounds > 1:
+            result["rounds"] = runs
     result["requests"] = {
         "prompt_tokens_min_max": [min(n for _, n in requests), max(n for _, n in requests)],
         "max_tokens": max_tokens,
