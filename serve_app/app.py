@@ -9,7 +9,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
-from actors.executor.ray_tp import cluster_has_gpus, rank_bundles
+from actors.executor.ray_tp import bundles_use_gpu, rank_bundles
 from actors.platform import default_block_size
 from serve_app import ray_env
 from serve_app.checkpoints.chat_templates import renders_tools, resolve_chat_template
@@ -33,8 +33,7 @@ ENGINE_MAX_ONGOING = 4096
 
 
 def engine_uses_gpu(config: ServeConfig) -> bool:
-    use_gpu = config.engine.use_gpu
-    return cluster_has_gpus() if use_gpu is None else use_gpu
+    return bundles_use_gpu(config.engine.use_gpu)
 
 
 def settle_block_size(config: ServeConfig) -> ServeConfig:

@@ -23,7 +23,7 @@ def ranks_on_gpu(parallel_config: ParallelConfig) -> bool:
         return is_cuda()
     from actors.executor.ray_tp import bundles_use_gpu
 
-    return bundles_use_gpu(parallel_config)
+    return bundles_use_gpu(parallel_config.use_gpu)
 
 
 def make_executor(

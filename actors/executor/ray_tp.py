@@ -49,9 +49,10 @@ def cluster_has_gpus() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def bundles_use_gpu(config: ParallelConfig) -> bool:
-    """Whether rank bundles ask for a GPU: `use_gpu`, else whether the cluster has GPUs."""
-    return cluster_has_gpus() if config.use_gpu is None else config.use_gpu
+def bundles_use_gpu(use_gpu: bool | None) -> bool:
+    """Whether rank bundles ask for a GPU: `use_gpu` (`ParallelConfig`'s, the serve config's
+    `engine.use_gpu`), else whether the cluster has GPUs."""
+    return cluster_has_gpus() if use_gpu is None else use_gpu
 
 
 class RankResources:
@@ -129,7 +130,7 @@ class RayExecutor(Executor):
                 f"tensor_parallel_size ({self.tp}) needs {self.tp} bundles after the replica's "
                 f"own, but its placement group has {n}"
             )
-        bundles = rank_bundles(self.tp, bundles_use_gpu(config))
+        bundles = rank_bundles(self.tp, bundles_use_gpu(config.use_gpu))
         pg = placement_group(
             bundles, strategy=config.placement_strategy, name=executor_group_name()
         )

@@ -83,12 +83,14 @@ def test_the_builder_sets_the_proxy_hook_only_for_a_ray_it_is_about_to_start(
 ):
     """`serve run IMPORT_PATH` builds the app, then starts Ray: that Ray gets our settings.
     In a running Ray (a config file's build task) the environment is the cluster's."""
+    from actors.executor import ray_tp
     from serve_app import app, ray_env
 
     for name in ray_env.SETTINGS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(app.ray, "is_initialized", lambda: ray_running)
-    monkeypatch.setattr(app, "cluster_has_gpus", lambda: False)  # no Ray to ask here
+    # No Ray to ask here (engine_uses_gpu asks ray_tp.cluster_has_gpus).
+    monkeypatch.setattr(ray_tp, "cluster_has_gpus", lambda: False)
     app_builder({"model": str(model_dirs("llama"))})
     for name, value in ray_env.SETTINGS.items():
         assert os.environ.get(name) == (None if ray_running else value)
