@@ -57,6 +57,24 @@ def use_prepacked_linear(device: torch.device) -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+# Rows up to which a CPU fp32 linear layer runs the engine's panel kernel instead of oneDNN
+# (actors/layers/prepack.py): decode batch sizes, where the layer is a read of its weight.
+PANEL_LINEAR_MAX_ROWS = 32
+
+
+def use_panel_linear(device: torch.device, dtype: torch.dtype) -> bool:
+    """fp32 CPU linear layers at up to `PANEL_LINEAR_MAX_ROWS` rows through the engine's
+    panel kernel (actors/csrc/panel_linear.cpp), unless `SERVE_APP_CPU_PANEL_LINEAR=0` or the
+    kernels cannot be built here. CUDA keeps cuBLAS; bf16 keeps oneDNN."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    if os.environ.get("SERVE_APP_CPU_PANEL_LINEAR", "1") == "0":
+        return False
+    from actors.layers import kernels
+
+    return kernels.available()
+
+
 def persistent_decode_gather(device: torch.device) -> bool:
     """Keep each decode bucket's gathered K/V between steps and copy in only the blocks that
     changed (actors/layers/attention.py), unless `SERVE_APP_DECODE_GATHER_REUSE=0`. CPU only:

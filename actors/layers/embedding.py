@@ -54,9 +54,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocab: local matmul, then the shards gathered on every rank."""
 
     packed_weight: torch.Tensor | None = None  # see ColumnParallelLinear
+    panel_weight: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         # (num_tokens, vocab_per_rank) -> (num_tokens, vocab_size)
-        logits = linear(hidden, self.weight, packed=self.packed_weight)
+        logits = linear(hidden, self.weight, packed=self.packed_weight, panels=self.panel_weight)
         logits = get_tp_group().all_gather_last_dim(logits)
         return logits[:, : self.vocab_size]

@@ -26,7 +26,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "prefill_attention.cpp")
+SOURCES = (
+    CSRC / "paged_attention.cpp",
+    CSRC / "fused_ops.cpp",
+    CSRC / "prefill_attention.cpp",
+    CSRC / "panel_linear.cpp",
+)
 HEADERS = (CSRC / "vec_math.h",)
 # -march=native: the library is built on the machine that runs it, for the vector units it has.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")

@@ -40,8 +40,10 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W split by output rows; each rank yields its slice of y."""
 
-    # Set by `prepack_linears` on CPU (then `weight` itself is the packed tensor).
+    # Set by `prepack_linears` on CPU (then `weight` itself is the packed tensor), and in
+    # fp32 the same weight in panels for calls of a few rows.
     packed_weight: torch.Tensor | None = None
+    panel_weight: torch.Tensor | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, what: str = ""):
         super().__init__()
@@ -61,7 +63,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, loaded[self.tp_rank * n : (self.tp_rank + 1) * n], "column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.panel_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -114,6 +116,7 @@ class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced."""
 
     packed_weight: torch.Tensor | None = None  # see ColumnParallelLinear
+    panel_weight: torch.Tensor | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, what: str = ""):
         super().__init__()
@@ -136,6 +139,6 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded[:], "row-parallel bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, packed=self.packed_weight)
+        y = linear(x, self.weight, packed=self.packed_weight, panels=self.panel_weight)
         get_tp_group().all_reduce(y)
         return y if self.bias is None else y + self.bias

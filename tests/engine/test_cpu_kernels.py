@@ -9,7 +9,8 @@ prefix, on the engine's own strided views. The fused small ops (RMSNorm with its
 rotary, SiLU-and-mul) must give what the torch modules they replace give. A grammar row's
 masked argmax must be torch.argmax of the row masked first (-1 where nothing allowed scores
 above -inf), and the grammar mask must write -inf over exactly the forbidden tokens of the
-rows it is given, and nowhere else."""
+rows it is given, and nowhere else. The panel linear kernel must give what F.linear gives, and
+a row's result must not depend on the rows beside it."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_the_project_builds_its_kernels_on_this_machine():
     assert platform.cpu_prefill_attention(torch.device("cpu"))
     assert platform.fused_cpu_ops(torch.device("cpu"))
     assert platform.cpu_masked_argmax()
+    assert platform.use_panel_linear(torch.device("cpu"), torch.float32)
 
 
 def _cache(heads_kv, num_blocks, block_size, d, dtype, seed=0):
@@ -378,3 +380,55 @@ def test_the_grammar_ops_refuse_what_they_do_not_take():
         torch.ops.serve_app.apply_bitmask(scores, bitmask, torch.tensor([2]))
     with pytest.raises(RuntimeError, match="scores must be float32"):
         torch.ops.serve_app.apply_bitmask(scores.half(), bitmask, rows)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (31, 7), (32, 64), (33, 64), (70, 576), (96, 1536)])
+def test_panel_linear_matches_f_linear(n, k):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    weight = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    panels = torch.ops.serve_app.pack_panels(weight)
+    assert panels.shape == ((n + 31) // 32, k, 32)
+    for rows in (0, 1, 3, 12, 13, 25, 40):
+        x = torch.randn(rows, k, generator=g)
+        want = F.linear(x, weight)
+        tol = dict(rtol=1e-5, atol=1e-5 * math.sqrt(k))
+        torch.testing.assert_close(torch.ops.serve_app.panel_linear(x, panels, n), want, **tol)
+        got = torch.ops.serve_app.panel_linear(x, panels, n, bias)
+        torch.testing.assert_close(got, want + bias, **tol)
+
+
+def test_panel_linear_reads_rows_of_a_wider_tensor():
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 20, generator=g)
+    wide = torch.randn(6, 50, generator=g)
+    x = wide[:, 5:25]  # row stride 50
+    got = torch.ops.serve_app.panel_linear(x, torch.ops.serve_app.pack_panels(weight), 48)
+    torch.testing.assert_close(got, F.linear(x.contiguous(), weight), rtol=1e-5, atol=1e-5)
+
+
+def test_a_panel_linear_rows_result_does_not_depend_on_the_other_rows():
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(100, 96, generator=g)
+    panels = torch.ops.serve_app.pack_panels(weight)
+    x = torch.randn(32, 96, generator=g)
+    alone = torch.ops.serve_app.panel_linear(x[:1], panels, 100)
+    for rows in range(2, 33):
+        # Bit for bit: every output is summed over k in the same order, however rows group.
+        assert torch.equal(torch.ops.serve_app.panel_linear(x[:rows], panels, 100)[:1], alone)
+
+
+def test_panel_linear_refuses_what_it_does_not_take():
+    panels = torch.ops.serve_app.pack_panels(torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.serve_app.panel_linear(torch.randn(2, 8, dtype=torch.bfloat16), panels, 40)
+    with pytest.raises(RuntimeError, match="input features"):
+        torch.ops.serve_app.panel_linear(torch.randn(2, 9), panels, 40)
+    with pytest.raises(RuntimeError, match="does not match the panels"):
+        torch.ops.serve_app.panel_linear(torch.randn(2, 8), panels, 70)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        torch.ops.serve_app.panel_linear(torch.randn(8, 2).t(), panels, 40)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.serve_app.panel_linear(torch.randn(2, 8), panels, 40, torch.randn(39))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.serve_app.pack_panels(torch.randn(4, 4, dtype=torch.bfloat16))

@@ -13,16 +13,21 @@ from actors import platform
 def test_cuda_keeps_torchs_kernels_and_the_cpu_path_has_its_own():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert platform.use_prepacked_linear(cuda) is False
+    assert platform.use_panel_linear(cuda, torch.float32) is False
     assert platform.persistent_decode_gather(cuda) is False
     # The CPU path is the one that takes the oneDNN packed weights and the kept gathers.
     assert platform.use_prepacked_linear(cpu) is torch.backends.mkldnn.is_available()
     assert platform.persistent_decode_gather(cpu) is True
+    # The panel kernel is fp32's: bf16 keeps oneDNN.
+    assert platform.use_panel_linear(cpu, torch.bfloat16) is False
 
 
 def test_the_cpu_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("SERVE_APP_CPU_PREPACK", "0")
     monkeypatch.setenv("SERVE_APP_DECODE_GATHER_REUSE", "0")
+    monkeypatch.setenv("SERVE_APP_CPU_PANEL_LINEAR", "0")
     assert platform.use_prepacked_linear(torch.device("cpu")) is False
+    assert platform.use_panel_linear(torch.device("cpu"), torch.float32) is False
     assert platform.persistent_decode_gather(torch.device("cpu")) is False
 
 

@@ -1,15 +1,18 @@
-"""CPU linear layers through oneDNN with packed weights (actors/layers/prepack.py)."""
+"""CPU linear layers through oneDNN with packed weights, and in fp32 through the engine's
+panel kernel at a few rows (actors/layers/prepack.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from actors.config import ModelConfig
 from actors.layers import prepack
 from actors.layers.attention import TorchPagedAttention
 from actors.models.loader import build_model
 from actors.parallel_state import ensure_single_rank_group
+from actors.platform import PANEL_LINEAR_MAX_ROWS
 
 
 def _build(path, dtype=torch.float32):
@@ -24,14 +27,21 @@ def _layers(model):
 
 
 def _products(model, seed=0):
-    """Every layer's output on one random input: what the packing must not change."""
+    """Every layer's output on random inputs of a few rows (the panel kernel's calls in fp32)
+    and of more (oneDNN's): what the packing must not change."""
     g = torch.Generator().manual_seed(seed)
     out = []
     with torch.inference_mode():
-        for layer in _layers(model):
-            x = torch.randn(5, layer.weight.shape[1], generator=g, dtype=model_dtype(model))
-            out.append(layer(x).float())
+        for rows in (5, PANEL_LINEAR_MAX_ROWS + 8):
+            for layer in _layers(model):
+                x = torch.randn(rows, layer.weight.shape[1], generator=g, dtype=model_dtype(model))
+                out.append(layer(x).float())
     return out
+
+
+def _dense(monkeypatch):
+    monkeypatch.setenv("SERVE_APP_CPU_PREPACK", "0")
+    monkeypatch.setenv("SERVE_APP_CPU_PANEL_LINEAR", "0")
 
 
 def model_dtype(model) -> torch.dtype:
@@ -55,10 +65,13 @@ def test_packed_layers_hold_one_packed_copy_and_match_the_dense_path(
             assert layer.weight.is_mkldnn  # not tied: no dense copy is kept
         else:
             assert layer.packed_weight is None and not layer.weight.is_mkldnn
-    monkeypatch.setenv("SERVE_APP_CPU_PREPACK", "0")
+        # fp32 layers also hold their weight in panels for calls of a few rows; bf16 ones not.
+        assert (layer.panel_weight is not None) is (dtype == torch.float32)
+    _dense(monkeypatch)
     dense = _build(model_dirs("llama"), dtype)
     for layer in _layers(dense):
         assert layer.packed_weight is None and not layer.weight.is_mkldnn
+        assert layer.panel_weight is None
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want in zip(_products(packed), _products(dense), strict=True):
         assert (got - want).abs().max() <= tolerance * want.abs().max()
@@ -72,6 +85,7 @@ def test_tied_head_keeps_the_dense_embedding(model_dirs) -> None:
     head, embed = model.lm_head, model.model.embed_tokens
     assert head.weight is embed.weight and not embed.weight.is_mkldnn
     assert head.packed_weight is not None and head.packed_weight.is_mkldnn
+    assert head.panel_weight is not None
     with torch.inference_mode():
         hidden = torch.randn(3, embed.weight.shape[1])
         want = torch.nn.functional.linear(hidden, embed.weight)[:, : head.vocab_size]
@@ -80,7 +94,7 @@ def test_tied_head_keeps_the_dense_embedding(model_dirs) -> None:
         assert torch.equal(embed(ids), embed.weight[ids])
 
 
-def test_a_failed_packing_keeps_the_whole_model_dense(model_dirs, monkeypatch, caplog) -> None:
+def test_a_failed_packing_keeps_the_whole_model_off_onednn(model_dirs, monkeypatch, caplog) -> None:
     def fail(weight):
         raise RuntimeError("no oneDNN here")
 
@@ -109,3 +123,37 @@ def test_packing_leaves_the_global_rng_alone(model_dirs) -> None:
     torch.manual_seed(1234)
     _build(model_dirs("llama"))
     assert torch.equal(torch.rand(4), want)
+
+
+def test_a_few_rows_go_through_the_panels_and_more_through_onednn() -> None:
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 24, generator=g)
+    # Panels of twice the weight: which form answered shows in the result.
+    doubled = torch.ops.serve_app.pack_panels(weight * 2)
+    packed = prepack._pack(weight)
+    for rows in (1, PANEL_LINEAR_MAX_ROWS, PANEL_LINEAR_MAX_ROWS + 1):
+        x = torch.randn(rows, 24, generator=g)
+        got = prepack.linear(x, weight, packed=packed, panels=doubled)
+        scale = 2.0 if rows <= PANEL_LINEAR_MAX_ROWS else 1.0
+        torch.testing.assert_close(got, scale * F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_the_panels_match_the_dense_layer_with_a_bias(model_dirs, monkeypatch) -> None:
+    # qwen2 has a qkv bias: the panel kernel adds it.
+    model = _build(model_dirs("qwen2"))
+    _dense(monkeypatch)
+    dense = _build(model_dirs("qwen2"))
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
+    for got, want in zip(_products(model), _products(dense), strict=True):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_failed_panel_packing_keeps_onednn(model_dirs, monkeypatch, caplog) -> None:
+    def fail(weight):
+        raise RuntimeError("no panels here")
+
+    monkeypatch.setattr(prepack, "_panels", fail)
+    model = _build(model_dirs("llama"))
+    assert all(layer.panel_weight is None for layer in _layers(model))
+    assert all(layer.packed_weight is not None for layer in _layers(model))
+    assert "linear layers stay off the panel kernel: packing failed (no panels here)" in caplog.text
