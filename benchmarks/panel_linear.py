@@ -1,0 +1,174 @@
+"""The panel kernel for linear layers at a few rows, against oneDNN's packed inner product.
+
+Two measurements, both fp32 and in one process:
+
+- `kernel`: the model's own projection shapes (QKV, O, gate-up, down), as many copies as make
+  `--weight-mib` of distinct weights, so that each is read from memory as in a decode step
+  (not from the last-level cache). Per row count, the best of `--reps` passes over them all
+  through oneDNN's packed weights and through the panels: ms, GFLOP/s, GB/s of weights.
+- `engine`: `LLM.generate` on the same requests with the panels on and off in turn (the rows
+  threshold set to 0 and back between runs; everything else identical), ABAB... over
+  `--rounds`: one sequence, 4, 16 and 64 sequences in steady decode, and the vLLM comparison's
+  64 mixed requests. Each phase's median over the rounds; every run kept.
+
+    python benchmarks/panel_linear.py --rounds 3 --out benchmarks/results/panel_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Timer, mixed_requests, resolve_model, run_header, write_json  # noqa: E402
+
+from actors import LLM, SamplingParams  # noqa: E402
+from actors.config import ModelConfig  # noqa: E402
+from actors.layers import kernels, prepack  # noqa: E402
+from actors.platform import PANEL_LINEAR_MAX_ROWS  # noqa: E402
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+# (name, sequences, prompt tokens, output tokens): decode phases at a fixed batch, then the
+# vLLM comparison's mixed requests (benchmarks/vllm_peer.py).
+PHASES = (
+    ("decode_b1", 1, 128, 64),
+    ("decode_b4", 4, 128, 64),
+    ("decode_b16", 16, 16, 128),
+    ("decode_b64", 64, 16, 128),
+)
+
+
+def projection_shapes(path: str) -> list[tuple[int, int]]:
+    c = ModelConfig.from_pretrained(path, dtype=torch.float32)
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    return [
+        (qkv, c.hidden_size),
+        (c.hidden_size, c.num_heads * c.head_dim),
+        (2 * c.intermediate_size, c.hidden_size),
+        (c.hidden_size, c.intermediate_size),
+    ]
+
+
+def kernel(path: str, weight_mib: int, reps: int) -> dict:
+    if not kernels.available():
+        raise SystemExit("the engine's CPU kernels are not built here (make kernels)")
+    shapes = projection_shapes(path)
+    per_set = sum(n * k * 4 for n, k in shapes)
+    sets = max(1, weight_mib * 2**20 // per_set)
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(sets):
+        for n, k in shapes:
+            w = torch.randn(n, k, generator=g) * 0.05
+            layers.append((torch.ops.mkldnn._reorder_linear_weight(w), prepack._panels(w), w))
+    weight_bytes = sets * per_set
+
+    def best(rows: int, panels: bool) -> float:
+        xs = {k: torch.randn(rows, k, generator=g) for _, k in shapes}
+        seconds = []
+        for _ in range(reps):
+            with Timer() as t:
+                for packed, panel, w in layers:
+                    if panels:
+                        torch.ops.serve_app.panel_linear(xs[w.shape[1]], panel, w.shape[0])
+                    else:
+                        prepack.linear(xs[w.shape[1]], w, packed=packed)
+            seconds.append(t.seconds)
+        return min(seconds)
+
+    out = []
+    flops = 2 * sum(n * k for n, k in shapes) * sets
+    for rows in ROWS:
+        onednn, panels = best(rows, False), best(rows, True)
+        out.append(
+            {
+                "rows": rows,
+                "onednn_ms": round(onednn * 1e3, 2),
+                "panels_ms": round(panels * 1e3, 2),
+                "onednn_gflop_s": round(rows * flops / onednn / 1e9, 1),
+                "panels_gflop_s": round(rows * flops / panels / 1e9, 1),
+                "onednn_weight_gb_s": round(weight_bytes / onednn / 1e9, 1),
+                "panels_weight_gb_s": round(weight_bytes / panels / 1e9, 1),
+                "panels_speedup": round(onednn / panels, 3),
+            }
+        )
+    return {"weight_mib": round(weight_bytes / 2**20), "projections": len(layers), "rows": out}
+
+
+def engine(path: str, rounds: int, vocab: int) -> dict:
+    phases = {
+        name: mixed_requests(n, vocab, (plen, plen), (out, out), seed=500 + i)
+        for i, (name, n, plen, out) in enumerate(PHASES)
+    }
+    phases["mixed_64"] = mixed_requests(64, vocab)
+
+    def params(reqs):
+        return [
+            SamplingParams(max_tokens=m, min_tokens=m, temperature=0, ignore_eos=True)
+            for _, m in reqs
+        ]
+
+    runs: dict[str, dict[str, list[float]]] = {p: {"panels": [], "onednn": []} for p in phases}
+    same_tokens = True
+    with LLM(model=path, dtype="float32", max_model_len=2048, kv_cache_bytes=2 * 1024**3) as llm:
+        assert any(getattr(m, "panel_weight", None) is not None for m in llm_modules(llm))
+        llm.generate([p for p, _ in phases["decode_b4"]], SamplingParams(max_tokens=8))
+        for r in range(rounds):
+            for name, reqs in phases.items():
+                order = ("panels", "onednn") if r % 2 == 0 else ("onednn", "panels")
+                tokens = {}
+                for side in order:
+                    prepack.PANEL_LINEAR_MAX_ROWS = PANEL_LINEAR_MAX_ROWS if side == "panels" else 0
+                    with Timer() as t:
+                        results = llm.generate([p for p, _ in reqs], params(reqs))
+                    tokens[side] = [r.outputs[0].token_ids for r in results]
+                    runs[name][side].append(sum(m for _, m in reqs) / t.seconds)
+                same_tokens &= tokens["panels"] == tokens["onednn"]
+    prepack.PANEL_LINEAR_MAX_ROWS = PANEL_LINEAR_MAX_ROWS
+    out = {}
+    for name, sides in runs.items():
+        panels, onednn = statistics.median(sides["panels"]), statistics.median(sides["onednn"])
+        out[name] = {
+            "panels_tok_s": round(panels, 1),
+            "onednn_tok_s": round(onednn, 1),
+            "ratio": round(panels / onednn, 3),
+            "pairs": [
+                round(a / b, 3) for a, b in zip(sides["panels"], sides["onednn"], strict=True)
+            ],
+            "runs": {k: [round(v, 1) for v in vs] for k, vs in sides.items()},
+        }
+    return {"phases": out, "greedy_tokens_identical": same_tokens}
+
+
+def llm_modules(llm: LLM):
+    return llm.engine.executor.worker.runner.model.modules()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--weight-mib", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = resolve_model(args.model)
+    result = run_header(model)
+    result["panel_rows"] = f"<= {PANEL_LINEAR_MAX_ROWS}"
+    result["kernel"] = kernel(model.path, args.weight_mib, args.reps)
+    if not args.skip_engine:
+        vocab = ModelConfig.from_pretrained(model.path, dtype=torch.float32).vocab_size
+        result["rounds"] = args.rounds
+        result["engine"] = engine(model.path, args.rounds, vocab)
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
