@@ -175,12 +175,14 @@ def test_prefill_logits_match_transformers_at_every_position(
         theirs = hf(torch.tensor([prompt])).logits[0]
     # The plain GEMM path: the same products as transformers.
     monkeypatch.setenv("SERVE_APP_CPU_PREPACK", "0")
+    monkeypatch.setenv("SERVE_APP_CPU_PANEL_LINEAR", "0")
     with LLM(model=str(trained_dir), num_kv_blocks=16) as dense:
         ours = _prefill_logits(dense, prompt)
     assert ours.shape == theirs.shape == (len(prompt), 49152)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
-    # The default (oneDNN, packed weights) path sums in another order; the residual stream of
-    # this model reaches ~2.5e4, so its fp32 rounding shows at ~1e-5 of the logits' scale.
+    # The default path (oneDNN's packed weights; the panels at a few rows) sums in another
+    # order; the residual stream of this model reaches ~2.5e4, so its fp32 rounding shows at
+    # ~1e-5 of the logits' scale.
     packed = _prefill_logits(llm, prompt)
     scale = theirs.abs().max().item()
     torch.testing.assert_close(packed, theirs, atol=2e-5 * scale, rtol=1e-4)
