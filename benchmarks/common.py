@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +83,22 @@ def write_json(result: dict, out: str | None) -> None:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
+
+
+def median_level(rounds: tuple[dict, ...]) -> dict:
+    """One level's figures over rounds: the median of every number (nested alike)."""
+    first = rounds[0]
+    out: dict = {}
+    for key, value in first.items():
+        if isinstance(value, dict):
+            out[key] = median_level(tuple(r[key] for r in rounds))
+        elif isinstance(value, int) and not isinstance(value, bool):  # counts stay whole
+            out[key] = statistics.median_low(r[key] for r in rounds)
+        elif isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in rounds)
+        else:
+            out[key] = value
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from common import (  # noqa: E402
     DEFAULT_MODEL,
     closed_loop,
     free_port,
+    median_level,
     percentile,
     resolve_model,
     step_thread_schedstat,
@@ -239,22 +239,6 @@ def sweep(
     return out
 
 
-def median_level(rounds: tuple[dict, ...]) -> dict:
-    """One level's figures over rounds: the median of every number (nested alike)."""
-    first = rounds[0]
-    out: dict = {}
-    for key, value in first.items():
-        if isinstance(value, dict):
-            out[key] = median_level(tuple(r[key] for r in rounds))
-        elif isinstance(value, int) and not isinstance(value, bool):  # counts stay whole
-            out[key] = statistics.median_low(r[key] for r in rounds)
-        elif isinstance(value, float):
-            out[key] = statistics.median(r[key] for r in rounds)
-        else:
-            out[key] = value
-    return out
-
-
 def ratios(ours: list[dict], theirs: list[dict]) -> list[dict]:
     rows = []
     for a, b in zip(ours, theirs, strict=True):
@@ -356,11 +340,15 @@ def main() -> None:
     )
     parser.add_argument("--no-offline", action="store_true", help="skip engine-to-engine")
     parser.add_argument(
+        "--offline-only", action="store_true", help="only engine-to-engine (vLLM; no servers)"
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
-        help="start the two servers in turn this many times (ours, theirs, theirs, ours, ...); "
-        "each level's figures are the medians over the rounds, every round kept in `rounds`",
+        help="start the two servers in turn this many times (ours, theirs, theirs, ours, ...), "
+        "and run the two offline engines so; each figure is the median over the rounds, every "
+        "round kept in `rounds`",
     )
     parser.add_argument(
         "--json-schema",
@@ -373,6 +361,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     vllm = args.peer == "vllm"
+    if args.offline_only and (not vllm or args.no_offline or args.quick or args.json_schema):
+        parser.error("--offline-only is vLLM's engine-to-engine run")
     if vllm and args.quick:
         parser.error("vLLM cannot serve the tiny checkpoint (head_dim 16): --peer transformers")
     checkpoint = resolve_model("tiny" if args.quick else args.model)
@@ -412,6 +402,12 @@ def main() -> None:
         # vLLM's CPU platform sets 128 when none is given).
         "block_size": {"ours": CPU_BLOCK_SIZE, "vllm": 128} if vllm else {"ours": CPU_BLOCK_SIZE},
     }
+    if args.offline_only:
+        offline = vllm_peer.engine_to_engine(path, args.threads, args.dtype, args.rounds)
+        result["engine_to_engine"] = offline
+        result["targets"] = vllm_targets([], offline)
+        write_json(result, args.out)
+        return
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as log_dir:
         sides = [("ours", lambda: start_ours(path, args.threads, log_dir, env, args.dtype))]
         if vllm:
@@ -449,7 +445,7 @@ def main() -> None:
     elif vllm:
         offline = None
         if not args.no_offline and not args.quick:
-            offline = vllm_peer.engine_to_engine(path, args.threads, args.dtype)
+            offline = vllm_peer.engine_to_engine(path, args.threads, args.dtype, args.rounds)
             result["engine_to_engine"] = offline
         result["targets"] = vllm_targets(result["ours_over_theirs"], offline)
     else:

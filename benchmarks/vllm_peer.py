@@ -150,18 +150,13 @@ def compare_phases(phases: dict, ours_s: dict[str, float], vllm_s: dict[str, flo
     return out
 
 
-def engine_to_engine(path: str, threads: int, dtype: str) -> dict:
-    """Ours and vLLM's offline `LLM.generate` on the same 64 mixed requests (prompts 16-512
-    tokens, outputs 16-256, every request exactly its max_tokens), one after the other."""
+def _ours_offline(path, threads, dtype, requests, phases) -> tuple[dict, dict[str, float]]:
+    """Our `LLM.generate` on the mixed requests, then on each phase's: tok/s and seconds."""
     import torch
-    from common import Timer, mixed_requests
-    from transformers import AutoConfig
+    from common import Timer
 
     from actors import LLM, SamplingParams
 
-    vocab = AutoConfig.from_pretrained(path).vocab_size
-    requests = mixed_requests(OFFLINE_REQUESTS, vocab)
-    phases = phase_requests(vocab)
     torch.set_num_threads(threads)
     kv_cache_bytes = KV_CACHE_GIB * 1024**3
     with LLM(model=path, dtype=dtype, max_model_len=2048, kv_cache_bytes=kv_cache_bytes) as llm:
@@ -177,23 +172,50 @@ def engine_to_engine(path: str, threads: int, dtype: str) -> dict:
         params = exact_params(requests)
         with Timer() as t:
             results = llm.generate([p for p, _ in requests], params)
-        ours_phases = {}
+        phase_seconds = {}
         for name, reqs in phases.items():
             with Timer() as phase:
                 llm.generate([p for p, _ in reqs], exact_params(reqs))
-            ours_phases[name] = phase.seconds
+            phase_seconds[name] = phase.seconds
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     ours = {"seconds": t.seconds, "output_tokens": tokens, "tok_s": tokens / t.seconds}
-    theirs = offline(requests, path, threads, dtype, phases)
-    return {
-        "requests": OFFLINE_REQUESTS,
-        "prompt_tokens_range": [16, 512],
-        "output_tokens_range": [16, 256],
-        "ours": ours,
-        "vllm": theirs,
-        "ratio": ours["tok_s"] / theirs["tok_s"],
-        "phases": compare_phases(phases, ours_phases, theirs.pop("phase_seconds")),
-    }
+    return ours, phase_seconds
+
+
+def engine_to_engine(path: str, threads: int, dtype: str, rounds: int = 1) -> dict:
+    """Ours and vLLM's offline `LLM.generate` on the same 64 mixed requests (prompts 16-512
+    tokens, outputs 16-256, every request exactly its max_tokens), one after the other; with
+    `rounds` > 1 in ABBA order (ours, vLLM, vLLM, ours, ...), every figure the median over
+    the rounds (each ratio the median of the rounds' ratios), every round kept."""
+    from common import median_level, mixed_requests
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    requests = mixed_requests(OFFLINE_REQUESTS, vocab)
+    phases = phase_requests(vocab)
+    done = []
+    for r in range(rounds):
+        ran: dict = {}
+        for side in ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours"):
+            if side == "ours":
+                ran["ours"] = _ours_offline(path, threads, dtype, requests, phases)
+            else:
+                ran["vllm"] = offline(requests, path, threads, dtype, phases)
+        (ours, ours_phases), theirs = ran["ours"], ran["vllm"]
+        done.append(
+            {
+                "requests": OFFLINE_REQUESTS,
+                "prompt_tokens_range": [16, 512],
+                "output_tokens_range": [16, 256],
+                "ours": ours,
+                "vllm": theirs,
+                "ratio": ours["tok_s"] / theirs["tok_s"],
+                "phases": compare_phases(phases, ours_phases, theirs.pop("phase_seconds")),
+            }
+        )
+    if rounds == 1:
+        return done[0]
+    return {**median_level(tuple(done)), "rounds": done}
 
 
 def _offline_main(requests_path: str, out_path: str) -> None:
