@@ -94,14 +94,24 @@ def test_tied_head_keeps_the_dense_embedding(model_dirs) -> None:
         assert torch.equal(embed(ids), embed.weight[ids])
 
 
-def test_a_failed_packing_keeps_the_whole_model_off_onednn(model_dirs, monkeypatch, caplog) -> None:
+@pytest.mark.parametrize(
+    "packer,lost,kept,logged",
+    [
+        ("_pack", "packed_weight", "panel_weight", "oneDNN packing failed (boom)"),
+        ("_panels", "panel_weight", "packed_weight", "off the panel kernel: packing failed (boom)"),
+    ],
+)
+def test_a_failed_packing_keeps_the_other_path_for_the_whole_model(
+    model_dirs, monkeypatch, caplog, packer, lost, kept, logged
+) -> None:
     def fail(weight):
-        raise RuntimeError("no oneDNN here")
+        raise RuntimeError("boom")
 
-    monkeypatch.setattr(prepack, "_pack", fail)
+    monkeypatch.setattr(prepack, packer, fail)
     model = _build(model_dirs("llama"))
-    assert all(layer.packed_weight is None for layer in _layers(model))
-    assert "oneDNN packing failed (no oneDNN here)" in caplog.text
+    assert all(getattr(layer, lost) is None for layer in _layers(model))
+    assert all(getattr(layer, kept) is not None for layer in _layers(model))
+    assert logged in caplog.text
     assert all(torch.isfinite(p).all() for p in _products(model))
 
 
@@ -146,14 +156,3 @@ def test_the_panels_match_the_dense_layer_with_a_bias(model_dirs, monkeypatch) -
     assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     for got, want in zip(_products(model), _products(dense), strict=True):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-
-
-def test_a_failed_panel_packing_keeps_onednn(model_dirs, monkeypatch, caplog) -> None:
-    def fail(weight):
-        raise RuntimeError("no panels here")
-
-    monkeypatch.setattr(prepack, "_panels", fail)
-    model = _build(model_dirs("llama"))
-    assert all(layer.panel_weight is None for layer in _layers(model))
-    assert all(layer.packed_weight is not None for layer in _layers(model))
-    assert "linear layers stay off the panel kernel: packing failed (no panels here)" in caplog.text
