@@ -61,6 +61,17 @@ def mixed_requests(
     return out
 
 
+def exact_params(requests: list[tuple[list[int], int]]) -> list:
+    """Greedy parameters under which each (prompt, max_tokens) request makes exactly its
+    max_tokens tokens (our engine's `SamplingParams`)."""
+    from actors import SamplingParams
+
+    return [
+        SamplingParams(max_tokens=m, min_tokens=m, temperature=0, ignore_eos=True)
+        for _, m in requests
+    ]
+
+
 class Timer:
     def __enter__(self):
         self.start = time.perf_counter()

@@ -24,7 +24,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Timer, mixed_requests, resolve_model, run_header, write_json  # noqa: E402
+from common import (  # noqa: E402
+    Timer,
+    exact_params,
+    mixed_requests,
+    resolve_model,
+    run_header,
+    write_json,
+)
 
 from actors import LLM, SamplingParams  # noqa: E402
 from actors.config import ModelConfig  # noqa: E402
@@ -106,12 +113,6 @@ def engine(path: str, rounds: int, vocab: int) -> dict:
     }
     phases["mixed_64"] = mixed_requests(64, vocab)
 
-    def params(reqs):
-        return [
-            SamplingParams(max_tokens=m, min_tokens=m, temperature=0, ignore_eos=True)
-            for _, m in reqs
-        ]
-
     runs: dict[str, dict[str, list[float]]] = {p: {"panels": [], "onednn": []} for p in phases}
     same_tokens = True
     with LLM(model=path, dtype="float32", max_model_len=2048, kv_cache_bytes=2 * 1024**3) as llm:
@@ -124,7 +125,7 @@ def engine(path: str, rounds: int, vocab: int) -> dict:
                 for side in order:
                     prepack.PANEL_LINEAR_MAX_ROWS = PANEL_LINEAR_MAX_ROWS if side == "panels" else 0
                     with Timer() as t:
-                        results = llm.generate([p for p, _ in reqs], params(reqs))
+                        results = llm.generate([p for p, _ in reqs], exact_params(reqs))
                     tokens[side] = [r.outputs[0].token_ids for r in results]
                     runs[name][side].append(sum(m for _, m in reqs) / t.seconds)
                 same_tokens &= tokens["panels"] == tokens["onednn"]

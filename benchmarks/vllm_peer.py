@@ -153,7 +153,7 @@ def compare_phases(phases: dict, ours_s: dict[str, float], vllm_s: dict[str, flo
 def _ours_offline(path, threads, dtype, requests, phases) -> tuple[dict, dict[str, float]]:
     """Our `LLM.generate` on the mixed requests, then on each phase's: tok/s and seconds."""
     import torch
-    from common import Timer
+    from common import Timer, exact_params
 
     from actors import LLM, SamplingParams
 
@@ -162,12 +162,6 @@ def _ours_offline(path, threads, dtype, requests, phases) -> tuple[dict, dict[st
     with LLM(model=path, dtype=dtype, max_model_len=2048, kv_cache_bytes=kv_cache_bytes) as llm:
         warm = SamplingParams(max_tokens=8, temperature=0)
         llm.generate([p for p, _ in requests[:2]], warm)
-
-        def exact_params(reqs):
-            return [
-                SamplingParams(max_tokens=m, min_tokens=m, temperature=0, ignore_eos=True)
-                for _, m in reqs
-            ]
 
         params = exact_params(requests)
         with Timer() as t:
