@@ -10,6 +10,13 @@
 // writes its heads' outputs. A pair's result depends only on its own row: batch mates never
 // change a sequence's numbers.
 //
+// Keys and values are read sixteen rows at a time, each tile serving every query head of the
+// group while it sits in L1: sixteen keys' scores come out of one lane reduction
+// (`sum_lanes16`), and each value row is added into all the heads' sums from registers. The
+// numbers are those of one key and one head at a time, bit for bit: the same products, added
+// in the same order. A walk over the rows in reading order (`RowsAhead`) asks for them a few
+// KB before they are read, across block, pass and item boundaries alike.
+//
 // Built by actors/layers/kernels.py with the machine's own compiler on first use.
 
 #include <ATen/Dispatch.h>
@@ -57,15 +64,22 @@ inline float sum_lanes(f16v v) {
 // Dot product and accumulate over one head's row. `D` is the head dim when it is a known
 // multiple of 16 (then the loops unroll and accumulators stay in registers); 0 means `d` at
 // run time, through plain loops.
+//
+// The products of q and k, folded to sixteen lanes; `sum_lanes` of it is their dot product.
+template <int D, typename T>
+inline f16v dot_lanes(const float* q, const T* k) {
+  static_assert(D > 0 && (D / 16 & (D / 16 - 1)) == 0, "D / 16 must be a power of two");
+  f16v acc[D / 16];
+  for (int c = 0; c < D / 16; ++c) acc[c] = load16(q + 16 * c) * load16(k + 16 * c);
+  for (int width = D / 16; width > 1; width /= 2)
+    for (int c = 0; c < width / 2; ++c) acc[c] += acc[c + width / 2];
+  return acc[0];
+}
+
 template <int D, typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   if constexpr (D > 0) {
-    f16v acc[D / 16];
-    for (int c = 0; c < D / 16; ++c) acc[c] = load16(q + 16 * c) * load16(k + 16 * c);
-    static_assert((D / 16 & (D / 16 - 1)) == 0, "D / 16 must be a power of two");
-    for (int width = D / 16; width > 1; width /= 2)
-      for (int c = 0; c < width / 2; ++c) acc[c] += acc[c + width / 2];
-    return sum_lanes(acc[0]);
+    return sum_lanes(dot_lanes<D>(q, k));
   } else {
     float acc = 0.0f;
     for (int64_t j = 0; j < d; ++j) acc += q[j] * static_cast<float>(k[j]);
@@ -73,33 +87,173 @@ inline float dot(const float* q, const T* k, int64_t d) {
   }
 }
 
-// acc[0:d) += the sum over u < rows of p[u] * v[u][0:d), rows d apart.
+// The lane sums of sixteen vectors at once: out[u] = sum_lanes(v[u]), with the same pairs
+// added in the same order (lanes 8 apart, then 4, 2, 1), so bit for bit the same numbers, in
+// 31 shuffles and 15 additions instead of sixteen separate reductions.
+inline f16v sum_lanes16(const f16v* v) {
+  f16v b[8], c[4], e[2];
+  for (int m = 0; m < 8; ++m)
+    b[m] = __builtin_shufflevector(v[2 * m], v[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * m], v[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  // b[m]: vector 2m's eight partial sums in lanes 0-7, vector 2m+1's in lanes 8-15.
+  for (int j = 0; j < 4; ++j)
+    c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  // c[j]: lanes 4r..4r+3 hold vector 4j+r's four partial sums.
+  for (int j = 0; j < 2; ++j)
+    e[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24,
+                                   25, 12, 13, 28, 29) +
+           __builtin_shufflevector(c[2 * j], c[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26,
+                                   27, 14, 15, 30, 31);
+  // e[j], lanes 4r..4r+3: the two partial sums of vector 8j+r, then of vector 8j+4+r.
+  const f16v f = __builtin_shufflevector(e[0], e[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26,
+                                         12, 14, 28, 30) +
+                 __builtin_shufflevector(e[0], e[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27,
+                                         13, 15, 29, 31);
+  // f, lane 4r+s: vector 4s+r.
+  return __builtin_shufflevector(f, f, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+// s[u] = the dot product of q with key row u, for u < rows (rows d apart).
 template <int D, typename T>
-inline void accumulate(float* acc, const float* p, const T* v, int64_t rows, int64_t d) {
+inline void scores_of(const float* q, const T* k, int64_t rows, int64_t d, float* s) {
   if constexpr (D > 0) {
-    f16v a[D / 16];
-    for (int c = 0; c < D / 16; ++c) a[c] = load16(acc + 16 * c);
-    for (int64_t u = 0; u < rows; ++u, v += D)
-      for (int c = 0; c < D / 16; ++c) a[c] += p[u] * load16(v + 16 * c);
-    for (int c = 0; c < D / 16; ++c) std::memcpy(acc + 16 * c, &a[c], sizeof(f16v));
+    for (int64_t u0 = 0; u0 < rows; u0 += 16) {
+      const int64_t n = std::min<int64_t>(16, rows - u0);
+      f16v v[16];
+      for (int64_t u = 0; u < 16; ++u) v[u] = u < n ? dot_lanes<D>(q, k + (u0 + u) * D) : f16v{};
+      const f16v out = sum_lanes16(v);
+      if (n == 16) std::memcpy(s + u0, &out, sizeof(out));
+      else for (int64_t u = 0; u < n; ++u) s[u0 + u] = out[u];
+    }
   } else {
-    for (int64_t u = 0; u < rows; ++u, v += d)
-      for (int64_t j = 0; j < d; ++j) acc[j] += p[u] * static_cast<float>(v[j]);
+    for (int64_t u = 0; u < rows; ++u) s[u] = dot<D>(q, k + u * d, d);
   }
 }
 
-// Asks for the block holding position `next` while this one is read: blocks are scattered
-// over the cache, so the hardware prefetcher cannot see the jump.
-template <typename T>
-inline void prefetch_next(const T* cache, const int32_t* table, int64_t next, int64_t ctx,
-                          int64_t h, int64_t num_blocks, int64_t block_size, int64_t d) {
-  if (next >= ctx) return;
-  const int64_t rows = std::min(ctx - next, block_size);
-  const char* p = reinterpret_cast<const char*>(
-      cache + ((h * num_blocks + table[next / block_size]) * block_size) * d);
-  const int64_t bytes = rows * d * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+// acc[g][0:d) += the sum over u < rows of p[g][u] * v[u][0:d), for g < heads (p rows `ps`
+// apart, v rows d apart, acc rows d apart): each value row read once for all the heads.
+template <int D, int G, typename T>
+inline void accumulate(float* acc, const float* p, int64_t ps, const T* v, int64_t rows) {
+  f16v a[G][D / 16];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < D / 16; ++c) a[g][c] = load16(acc + g * D + 16 * c);
+  for (int64_t u = 0; u < rows; ++u, v += D) {
+    f16v row[D / 16];
+    for (int c = 0; c < D / 16; ++c) row[c] = load16(v + 16 * c);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < D / 16; ++c) a[g][c] += p[g * ps + u] * row[c];
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < D / 16; ++c) std::memcpy(acc + g * D + 16 * c, &a[g][c], sizeof(f16v));
 }
+
+// The same for `heads` known only at run time: in chunks whose accumulators fit in sixteen
+// vector registers. D = 0: plain loops over `d`.
+template <int D, typename T>
+inline void accumulate_heads(float* acc, const float* p, int64_t ps, const T* v, int64_t rows,
+                             int64_t heads, int64_t d) {
+  if constexpr (D > 0) {
+    constexpr int kChunk = std::max(1, 16 / (D / 16));
+    for (int64_t g0 = 0; g0 < heads; g0 += kChunk) {
+      float* a = acc + g0 * D;
+      const float* pg = p + g0 * ps;
+      switch (std::min<int64_t>(kChunk, heads - g0)) {
+        case 1: accumulate<D, 1>(a, pg, ps, v, rows); break;
+        case 2: accumulate<D, std::min(2, kChunk)>(a, pg, ps, v, rows); break;
+        case 3: accumulate<D, std::min(3, kChunk)>(a, pg, ps, v, rows); break;
+        default: accumulate<D, std::min(4, kChunk)>(a, pg, ps, v, rows); break;
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < heads; ++g)
+      for (int64_t u = 0; u < rows; ++u)
+        for (int64_t j = 0; j < d; ++j)
+          acc[g * d + j] += p[g * ps + u] * static_cast<float>(v[u * d + j]);
+  }
+}
+
+// Walks the rows a thread reads in the order it reads them (an item's keys, block by block,
+// then its values, then the next item's) and asks for each a fixed distance before it is
+// read, a few lines at a time as the reads go: blocks are scattered over the cache, so the
+// hardware prefetcher cannot see the jumps between them, and a whole block asked for at once
+// (32 KB at 128 tokens) would queue more misses than the core can track.
+template <typename T>
+class RowsAhead {
+ public:
+  RowsAhead(const T* k, const T* v, const int32_t* tables, int64_t max_blocks,
+            const int32_t* seq_of, const int32_t* ctx_of, int64_t window, int64_t kv_heads,
+            int64_t num_blocks, int64_t block_size, int64_t d, int64_t end)
+      : k_(k), v_(v), tables_(tables), max_blocks_(max_blocks), seq_of_(seq_of),
+        ctx_of_(ctx_of), window_(window), kv_heads_(kv_heads), num_blocks_(num_blocks),
+        block_size_(block_size), d_(d), end_(end) {}
+
+  // Starts the walk at `item`, `rows` rows ahead of the reads.
+  void start(int64_t item, int64_t rows) {
+    item_ = item;
+    enter();
+    advance(rows);
+  }
+
+  // Asks for the next `rows` rows of the walk; call as that many rows are read.
+  void advance(int64_t rows) {
+    while (rows > 0 && item_ < end_) {
+      const int64_t offset = t_ % block_size_;
+      const int64_t n = std::min({rows, ctx_ - t_, block_size_ - offset});
+      const T* base = (values_ ? v_ : k_) +
+                      ((item_ % kv_heads_ * num_blocks_ + table_[t_ / block_size_]) * block_size_ +
+                       offset) * d_;
+      const char* p = reinterpret_cast<const char*>(base);
+      const int64_t bytes = n * d_ * static_cast<int64_t>(sizeof(T));
+      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+      rows -= n;
+      t_ += n;
+      if (t_ < ctx_) continue;
+      if (!values_) {
+        values_ = true;
+        t_ = first_;
+      } else {
+        ++item_;
+        enter();
+      }
+    }
+  }
+
+ private:
+  void enter() {
+    values_ = false;
+    if (item_ >= end_) return;
+    const int64_t r = item_ / kv_heads_;
+    ctx_ = ctx_of_[r];
+    first_ = window_ > 0 ? std::max<int64_t>(0, ctx_ - window_) : 0;
+    t_ = first_;
+    table_ = tables_ + static_cast<int64_t>(seq_of_[r]) * max_blocks_;
+  }
+
+  const T* k_;
+  const T* v_;
+  const int32_t* tables_;
+  int64_t max_blocks_;
+  const int32_t* seq_of_;
+  const int32_t* ctx_of_;
+  int64_t window_, kv_heads_, num_blocks_, block_size_, d_, end_;
+  int64_t item_ = 0, first_ = 0, ctx_ = 0, t_ = 0;
+  bool values_ = false;
+  const int32_t* table_ = nullptr;
+};
+
+// Rows read at a time: one tile of sixteen keys' scores for every query head of the group,
+// or sixteen values into every head's sum, while the tile sits in L1.
+constexpr int64_t kTile = 16;
+
+// How far the walk runs ahead of the reads, and into L2 (locality 2): on one core of an Intel
+// Xeon, 64 sequences of 400 positions at 128 tokens a block, 8 KB ahead read 8.0 GB/s of K and
+// V where one whole block ahead read 7.1 (a sequential read of the same caches: 10.5).
+constexpr int64_t kAheadBytes = 8192;
 
 template <typename T, int D>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -120,6 +274,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), total(group), scores;
+    RowsAhead<T> ahead(kp, vp, tables, max_blocks, seq_of, ctx_of, window, kv_heads, num_blocks,
+                       block_size, d, end);
+    ahead.start(begin, kAheadBytes / (d * static_cast<int64_t>(sizeof(T))));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, h = item % kv_heads;
       const int64_t ctx = ctx_of[r];
@@ -135,18 +292,19 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         const int64_t block = table[t / block_size], offset = t % block_size;
         const int64_t stop = std::min(ctx, t + block_size - offset);
         const T* base = kp + ((h * num_blocks + block) * block_size + offset) * d;
-        prefetch_next(kp, table, stop, ctx, h, num_blocks, block_size, d);
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = &scores[g * n + t - first];
-          const float* qg = &qf[g * d];
-          for (int64_t u = 0; u < stop - t; ++u) s[u] = dot<D>(qg, base + u * d, d);
+        for (int64_t u = t; u < stop; u += kTile) {
+          const int64_t tile = std::min(kTile, stop - u);
+          ahead.advance(tile);
+          for (int64_t g = 0; g < group; ++g)
+            scores_of<D>(&qf[g * d], base + (u - t) * d, tile, d, &scores[g * n + u - first]);
         }
         t = stop;
       }
       for (int64_t g = 0; g < group; ++g) {
         float* s = &scores[g * n];
         float top = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) top = std::max(top, s[i]);
+#pragma omp simd reduction(max : top)
+        for (int64_t i = 0; i < n; ++i) top = s[i] > top ? s[i] : top;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) {
@@ -160,9 +318,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         const int64_t block = table[t / block_size], offset = t % block_size;
         const int64_t stop = std::min(ctx, t + block_size - offset);
         const T* base = vp + ((h * num_blocks + block) * block_size + offset) * d;
-        prefetch_next(vp, table, stop, ctx, h, num_blocks, block_size, d);
-        for (int64_t g = 0; g < group; ++g)
-          accumulate<D>(&acc[g * d], &scores[g * n + t - first], base, stop - t, d);
+        for (int64_t u = t; u < stop; u += kTile) {
+          const int64_t tile = std::min(kTile, stop - u);
+          ahead.advance(tile);
+          accumulate_heads<D>(acc.data(), &scores[u - first], n, base + (u - t) * d, tile, group, d);
+        }
         t = stop;
       }
       T* o = op + (r * heads + h * group) * d;

@@ -92,6 +92,25 @@ def test_decode_rows_match_attention_over_contiguous_kv(heads, kv_heads, d, wind
         torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "window"),
+    [(9, 3, 64, 0), (12, 2, 64, 0), (16, 2, 128, 0), (9, 3, 64, 21)],
+    ids=["smollm2", "group-6", "group-8-dim-128", "window"],
+)
+def test_decode_rows_with_whole_blocks_of_keys(heads, kv_heads, d, window, block_size):
+    """Blocks as large as the engine's: scores are taken sixteen keys at a time and a
+    block's values are read once for every query head of its group, in chunks of heads."""
+    k_cache, v_cache = _cache(kv_heads, 24, block_size, d, torch.float32, seed=6)
+    tables = [[7, 2, 20, 11, 5], [1, 23, 0, 0, 0], [15, 3, 17, 9, 0]]
+    contexts = [5 * block_size - 3, 2 * block_size, 3 * block_size + 7]
+    q = torch.randn(3, heads, d, generator=torch.Generator().manual_seed(7))
+    out = _call(q, k_cache, v_cache, tables, [0, 1, 2], contexts, window)
+    for r in range(3):
+        want = _reference(q[r], k_cache, v_cache, tables[r], contexts[r], window)
+        torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-5)
+
+
 def test_several_rows_of_one_sequence_are_causal_within_them():
     """1 + k rows sharing a block table, each seeing one more position: what causal attention
     over the whole context computes for the last 1 + k positions."""
