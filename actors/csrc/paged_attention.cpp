@@ -61,9 +61,8 @@ inline float sum_lanes(f16v v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// Dot product and accumulate over one head's row. `D` is the head dim when it is a known
-// multiple of 16 (then the loops unroll and accumulators stay in registers); 0 means `d` at
-// run time, through plain loops.
+// In the helpers below `D` is the head dim when it is a known multiple of 16 (then the loops
+// unroll and accumulators stay in registers); 0 means `d` at run time, through plain loops.
 //
 // The products of q and k, folded to sixteen lanes; `sum_lanes` of it is their dot product.
 template <int D, typename T>
@@ -163,6 +162,7 @@ inline void accumulate_heads(float* acc, const float* p, int64_t ps, const T* v,
       float* a = acc + g0 * D;
       const float* pg = p + g0 * ps;
       switch (std::min<int64_t>(kChunk, heads - g0)) {
+        // Sizes past kChunk never come here; min() keeps their cases compilable.
         case 1: accumulate<D, 1>(a, pg, ps, v, rows); break;
         case 2: accumulate<D, std::min(2, kChunk)>(a, pg, ps, v, rows); break;
         case 3: accumulate<D, std::min(3, kChunk)>(a, pg, ps, v, rows); break;
