@@ -59,7 +59,7 @@ def use_prepacked_linear(device: torch.device) -> bool:
 
 # Rows up to which a CPU fp32 linear layer runs the engine's panel kernel instead of oneDNN
 # (actors/layers/prepack.py): decode batch sizes, where the layer is a read of its weight.
-PANEL_LINEAR_MAX_ROWS = 32
+PANEL_LINEAR_MAX_ROWS = 128
 
 
 def use_panel_linear(device: torch.device, dtype: torch.dtype) -> bool:

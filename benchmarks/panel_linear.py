@@ -38,7 +38,7 @@ from actors.config import ModelConfig  # noqa: E402
 from actors.layers import kernels, prepack  # noqa: E402
 from actors.platform import PANEL_LINEAR_MAX_ROWS  # noqa: E402
 
-ROWS = (1, 2, 4, 8, 16, 32, 64)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # (name, sequences, prompt tokens, output tokens): decode phases at a fixed batch, then the
 # vLLM comparison's mixed requests (benchmarks/vllm_peer.py).
 PHASES = (
@@ -115,7 +115,13 @@ def engine(path: str, rounds: int, vocab: int) -> dict:
 
     runs: dict[str, dict[str, list[float]]] = {p: {"panels": [], "onednn": []} for p in phases}
     same_tokens = True
-    with LLM(model=path, dtype="float32", max_model_len=2048, kv_cache_bytes=2 * 1024**3) as llm:
+    with LLM(
+        model=path,
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_bytes=2 * 1024**3,
+        enable_prefix_caching=False,  # every run prefills its prompts
+    ) as llm:
         assert any(getattr(m, "panel_weight", None) is not None for m in llm_modules(llm))
         llm.generate([p for p, _ in phases["decode_b4"]], SamplingParams(max_tokens=8))
         for r in range(rounds):

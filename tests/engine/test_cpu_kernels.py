@@ -408,7 +408,7 @@ def test_panel_linear_matches_f_linear(n, k):
     bias = torch.randn(n, generator=g)
     panels = torch.ops.serve_app.pack_panels(weight)
     assert panels.shape == ((n + 31) // 32, k, 32)
-    for rows in (0, 1, 3, 12, 13, 25, 40):
+    for rows in (0, 1, 3, 12, 13, 25, 40, 128):
         x = torch.randn(rows, k, generator=g)
         want = F.linear(x, weight)
         tol = dict(rtol=1e-5, atol=1e-5 * math.sqrt(k))
