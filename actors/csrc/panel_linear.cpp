@@ -122,7 +122,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   float* yp = y.data_ptr<float>();
   // Rows in groups of near-equal size, at most kMaxRows each.
   const int64_t groups = (M + kMaxRows - 1) / kMaxRows;
-  // Bytes of the next panel each group's k step asks for: the groups share it out.
+  // Bytes of the next panel each group's k step asks for: the groups share it out. The last
+  // group's share may run past the next panel's end (past the tensor's, for the panel before
+  // the last): a prefetch never faults.
   const int64_t stride = (kPanel * sizeof(float) + groups - 1) / groups;
   at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
