@@ -103,7 +103,12 @@ class ServerProcess:
 
 
 def start_ours(
-    path: str, threads: int, log_dir: str, env: dict, dtype: str = "float32"
+    path: str,
+    threads: int,
+    log_dir: str,
+    env: dict,
+    dtype: str = "float32",
+    direct_ingress: bool = False,
 ) -> ServerProcess:
     config = Path(log_dir) / "ours.yaml"
     # A generous placement timeout: a busy machine can be slow to start the replica's worker.
@@ -116,7 +121,10 @@ def start_ours(
         "max_queue_s": None,
         "kv_cache_bytes": vllm_peer.KV_CACHE_GIB * 1024**3,  # as much as vLLM is given
     }
-    config.write_text(json.dumps({"model": path, "engine": engine}))
+    settings: dict = {"model": path, "engine": engine}
+    if direct_ingress:  # the ingress replica serves HTTP itself, on the fixed --port below
+        settings["direct_ingress"] = True
+    config.write_text(json.dumps(settings))
     port = free_port()
     argv = [venv_tool("serve-app"), "serve", "--config", str(config), "--port", str(port)]
     argv += ["--admin-port", str(free_port())]
@@ -356,6 +364,11 @@ def main() -> None:
         help="every request constrained by the production-shaped schema "
         "(common.DECODE_SCHEMA; default levels 16,64; reported, not gated)",
     )
+    parser.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="our ingress replica serves HTTP itself (ServeConfig.direct_ingress), no proxy",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -395,6 +408,7 @@ def main() -> None:
         "peer": args.peer,
         "peer_label": label,
         "json_schema": args.json_schema,
+        "ours_direct_ingress": args.direct_ingress,
         # Tokens a step takes (decodes and prefill chunks): ours the engine's default, served
         # and offline; vLLM's CPU build defaults to 2,048 served and 4,096 offline.
         "ours_max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -409,7 +423,14 @@ def main() -> None:
         write_json(result, args.out)
         return
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as log_dir:
-        sides = [("ours", lambda: start_ours(path, args.threads, log_dir, env, args.dtype))]
+        sides = [
+            (
+                "ours",
+                lambda: start_ours(
+                    path, args.threads, log_dir, env, args.dtype, args.direct_ingress
+                ),
+            )
+        ]
         if vllm:
             sides.append(("theirs", lambda: start_vllm(path, args.threads, log_dir, args.dtype)))
         else:
