@@ -121,9 +121,8 @@ def start_ours(
         "max_queue_s": None,
         "kv_cache_bytes": vllm_peer.KV_CACHE_GIB * 1024**3,  # as much as vLLM is given
     }
-    settings: dict = {"model": path, "engine": engine}
-    if direct_ingress:  # the ingress replica serves HTTP itself, on the fixed --port below
-        settings["direct_ingress"] = True
+    # With direct_ingress the ingress replica serves HTTP itself, on the fixed --port below.
+    settings = {"model": path, "engine": engine, "direct_ingress": direct_ingress}
     config.write_text(json.dumps(settings))
     port = free_port()
     argv = [venv_tool("serve-app"), "serve", "--config", str(config), "--port", str(port)]
