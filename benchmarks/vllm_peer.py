@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 VERSION = "0.32.0"
@@ -113,35 +114,63 @@ def offline(
 
 OFFLINE_REQUESTS = 64
 
-# (name, requests, prompt tokens, output tokens, what is counted): each phase on prompts of its
-# own, all in the engine at once. Prefill: one output token, so the time is the prompts'
-# forward. Decode: 16-token prompts, so the time is the decode steps at that batch.
+# (name, requests, prompt tokens, output tokens, what is counted, concurrency): each phase on
+# prompts of its own. Without a concurrency every request is in the engine at once. Prefill:
+# one output token, so the time is the prompts' forward. Decode: 16-token prompts, so the
+# time is the decode steps at that batch. The closed loop is the served 16-stream level's
+# work in-process (`peer.py`'s prompt and output lengths, at most 16 requests in flight, the
+# next added as soon as one finishes): where the served ratio at 16 falls below this one, the
+# difference is the serving path's, not the engine's.
 PHASES = (
-    ("prefill", 32, 256, 1, "prompt"),
-    ("decode_b16", 16, 16, 128, "output"),
-    ("decode_b64", 64, 16, 128, "output"),
+    ("prefill", 32, (256, 256), 1, "prompt", None),
+    ("decode_b16", 16, (16, 16), 128, "output", None),
+    ("decode_b64", 64, (16, 16), 128, "output", None),
+    ("closed_loop_16", 32, (64, 256), 64, "output", 16),
 )
+CONCURRENCY = {name: c for name, *_, c in PHASES}
 
 
 def phase_requests(vocab: int) -> dict[str, list[tuple[list[int], int]]]:
     from common import mixed_requests
 
     return {
-        name: mixed_requests(n, vocab, (plen,) * 2, (out,) * 2, seed=1000 + i)
-        for i, (name, n, plen, out, _) in enumerate(PHASES)
+        name: mixed_requests(n, vocab, plen, (out,) * 2, seed=1000 + i)
+        for i, (name, n, plen, out, _, _) in enumerate(PHASES)
     }
+
+
+def closed_loop(
+    add: Callable[[str, list[int], int], None],
+    step: Callable[[], int],
+    requests: list[tuple[list[int], int]],
+    concurrency: int,
+) -> float:
+    """Seconds to run `requests` through an engine with at most `concurrency` in flight:
+    `add(request_id, prompt_ids, max_tokens)` queues one, `step()` runs one engine step and
+    says how many requests it finished."""
+    queue = list(reversed(requests))
+    in_flight = 0
+    started = time.perf_counter()
+    while queue or in_flight:
+        while queue and in_flight < concurrency:
+            ids, max_tokens = queue.pop()
+            add(f"loop-{len(queue)}", ids, max_tokens)
+            in_flight += 1
+        in_flight -= step()
+    return time.perf_counter() - started
 
 
 def compare_phases(phases: dict, ours_s: dict[str, float], vllm_s: dict[str, float]) -> dict:
     out = {}
-    for name, n, plen, max_tokens, counted in PHASES:
+    for name, n, plen, max_tokens, counted, concurrency in PHASES:
         reqs = phases[name]
         tokens = sum(len(ids) if counted == "prompt" else m for ids, m in reqs)
         ours, theirs = tokens / ours_s[name], tokens / vllm_s[name]
         out[name] = {
             "requests": n,
-            "prompt_tokens": plen,
+            "prompt_tokens": plen[0] if plen[0] == plen[1] else list(plen),
             "max_tokens": max_tokens,
+            "concurrency": concurrency or n,
             "counted": f"{counted} tokens/s",
             "ours_tok_s": ours,
             "vllm_tok_s": theirs,
@@ -168,12 +197,27 @@ def _ours_offline(path, threads, dtype, requests, phases) -> tuple[dict, dict[st
             results = llm.generate([p for p, _ in requests], params)
         phase_seconds = {}
         for name, reqs in phases.items():
+            if CONCURRENCY[name]:
+                phase_seconds[name] = _ours_closed_loop(llm.engine, reqs, CONCURRENCY[name])
+                continue
             with Timer() as phase:
                 llm.generate([p for p, _ in reqs], exact_params(reqs))
             phase_seconds[name] = phase.seconds
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     ours = {"seconds": t.seconds, "output_tokens": tokens, "tok_s": tokens / t.seconds}
     return ours, phase_seconds
+
+
+def _ours_closed_loop(engine, requests, concurrency: int) -> float:
+    from actors import SamplingParams
+
+    def add(request_id: str, ids: list[int], max_tokens: int) -> None:
+        params = SamplingParams(
+            max_tokens=max_tokens, min_tokens=max_tokens, temperature=0, ignore_eos=True
+        )
+        engine.add_request(request_id, ids, params)
+
+    return closed_loop(add, lambda: sum(o.finished for o in engine.step()), requests, concurrency)
 
 
 def engine_to_engine(path: str, threads: int, dtype: str, rounds: int = 1) -> dict:
@@ -236,7 +280,23 @@ def _offline_main(requests_path: str, out_path: str) -> None:
     outputs, seconds = timed(spec["requests"])
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds}
-    result["phase_seconds"] = {name: timed(reqs)[1] for name, reqs in spec["phases"].items()}
+    engine = llm.llm_engine
+
+    def add(request_id: str, ids: list[int], max_tokens: int) -> None:
+        params = SamplingParams(
+            max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+
+    def step() -> int:
+        return sum(o.finished for o in engine.step())
+
+    result["phase_seconds"] = {
+        name: closed_loop(add, step, reqs, CONCURRENCY[name])
+        if CONCURRENCY[name]
+        else timed(reqs)[1]
+        for name, reqs in spec["phases"].items()
+    }
     result |= {"load_s": load_s, "version": VERSION}
     Path(out_path).write_text(json.dumps(result))
 
