@@ -8,9 +8,11 @@ fail to import, and text serving never uses them).
 
 `engine_to_engine()` times our offline `LLM.generate` here and vLLM's in that venv on the same
 requests: run as a script there (`python vllm_peer.py offline REQUESTS.json OUT.json`), this
-file times vLLM's side. Beside the mixed requests both sides time three phases alone
+file times vLLM's side. Beside the mixed requests both sides time four phases alone
 (`PHASES`): prefill only, and decode at batch 16 and 64 with short prompts, so a gap in the
-mixed figure can be told apart as prefill or decode speed.
+mixed figure can be told apart as prefill or decode speed; and the served 16-stream level's
+work through each engine's own step loop (`closed_loop`), so a gap in the served figure can
+be told apart as the engine's or the serving path's.
 """
 
 from __future__ import annotations
