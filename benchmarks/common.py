@@ -7,7 +7,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -70,6 +70,51 @@ def exact_params(requests: list[tuple[list[int], int]]) -> list:
         SamplingParams(max_tokens=m, min_tokens=m, temperature=0, ignore_eos=True)
         for _, m in requests
     ]
+
+
+def step_loop(
+    add: Callable[[str, list[int], int], None],
+    step: Callable[[], int],
+    requests: list[tuple[list[int], int]],
+    concurrency: int,
+) -> float:
+    """Seconds to run `requests` through an engine in-process, in order, with at most
+    `concurrency` in flight (the next added as soon as one finishes), as a server at that
+    concurrency sees them: `add(request_id, prompt_ids, max_tokens)` queues one, `step()`
+    runs one engine step and says how many requests it finished. Plain Python on purpose:
+    vLLM's side runs it in its own venv (vllm_peer.py)."""
+    queue = list(reversed(requests))
+    in_flight = 0
+    started = time.perf_counter()
+    while queue or in_flight:
+        while queue and in_flight < concurrency:
+            ids, max_tokens = queue.pop()
+            add(f"loop-{len(queue)}", ids, max_tokens)
+            in_flight += 1
+        in_flight -= step()
+    return time.perf_counter() - started
+
+
+def ours_step_loop(engine, requests: list[tuple[list[int], int]], concurrency: int):
+    """Our `EngineCore` through `step_loop`, greedy, every request exactly its max_tokens:
+    the seconds and the output tokens."""
+    from actors import SamplingParams
+
+    tokens = 0
+
+    def add(request_id: str, ids: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        engine.add_request(request_id, ids, params)
+
+    def step() -> int:
+        nonlocal tokens
+        finished = 0
+        for out in engine.step():
+            tokens += sum(len(d.token_ids) for d in out.deltas)
+            finished += out.finished
+        return finished
+
+    return step_loop(add, step, requests, concurrency), tokens
 
 
 class Timer:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -18,6 +17,7 @@ from common import (  # noqa: E402
     DEFAULT_MODEL,
     Timer,
     mixed_requests,
+    ours_step_loop,
     resolve_model,
     run_header,
     write_json,
@@ -210,27 +210,11 @@ def closed_loop_tok_s(llm: LLM, requests, streams: int) -> dict:
     """`streams` requests in the engine at all times (a new one as each ends), as a server
     at that concurrency sees them: output tokens/s and the share of decode buckets whose
     gather was kept from the step before."""
-    engine = llm.engine
-    counts = engine.executor.worker.runner.gather_counts
+    counts = llm.engine.executor.worker.runner.gather_counts
     before = dict(counts)
-    queue = [(f"cl-{i}", ids, n) for i, (ids, n) in enumerate(requests)]
-    tokens = 0
-
-    def add() -> None:
-        rid, ids, n = queue.pop(0)
-        engine.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-
-    for _ in range(streams):
-        add()
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += sum(len(d.token_ids) for d in out.deltas)
-            if out.finished and queue:
-                add()
-    elapsed = time.perf_counter() - start
+    seconds, tokens = ours_step_loop(llm.engine, requests, streams)
     kept, built = (counts[k] - before[k] for k in ("kept", "buckets"))
-    return {"tok_s": tokens / elapsed, "kept_share": kept / max(1, built)}
+    return {"tok_s": tokens / seconds, "kept_share": kept / max(1, built)}
 
 
 def decode_gathers(path: str, requests, stream_requests, kept_s: float) -> dict:

@@ -25,6 +25,7 @@ from common import (  # noqa: E402
     closed_loop,
     free_port,
     mixed_requests,
+    ours_step_loop,
     resolve_model,
     serve_cpu_seconds,
     serving_cpu_per_token,
@@ -169,25 +170,11 @@ def direct_level(path: str, requests, concurrency: int, threads: int) -> float:
     """The engine alone on the same requests, keeping `concurrency` in flight."""
     import torch
 
-    from actors import LLM, SamplingParams
+    from actors import LLM
 
     torch.set_num_threads(threads)
     llm = LLM(model=path, max_model_len=1024)
-    engine = llm.engine
-    queue = list(requests)
-    in_flight = 0
-    tokens = 0
-    start = time.perf_counter()
-    while queue or in_flight:
-        while queue and in_flight < concurrency:
-            prompt, max_tokens = queue.pop()
-            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-            engine.add_request(f"r{len(queue)}", prompt, params)
-            in_flight += 1
-        for out in engine.step():
-            tokens += sum(len(d.token_ids) for d in out.deltas)
-            in_flight -= out.finished
-    seconds = time.perf_counter() - start
+    seconds, tokens = ours_step_loop(llm.engine, requests, concurrency)
     llm.shutdown()
     return tokens / seconds
 

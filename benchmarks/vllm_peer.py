@@ -11,7 +11,7 @@ requests: run as a script there (`python vllm_peer.py offline REQUESTS.json OUT.
 file times vLLM's side. Beside the mixed requests both sides time four phases alone
 (`PHASES`): prefill only, and decode at batch 16 and 64 with short prompts, so a gap in the
 mixed figure can be told apart as prefill or decode speed; and the served 16-stream level's
-work through each engine's own step loop (`closed_loop`), so a gap in the served figure can
+work through each engine's own step loop (`common.step_loop`), so a gap in the served figure can
 be told apart as the engine's or the serving path's.
 """
 
@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 VERSION = "0.32.0"
@@ -141,27 +140,6 @@ def phase_requests(vocab: int) -> dict[str, list[tuple[list[int], int]]]:
     }
 
 
-def closed_loop(
-    add: Callable[[str, list[int], int], None],
-    step: Callable[[], int],
-    requests: list[tuple[list[int], int]],
-    concurrency: int,
-) -> float:
-    """Seconds to run `requests` through an engine with at most `concurrency` in flight:
-    `add(request_id, prompt_ids, max_tokens)` queues one, `step()` runs one engine step and
-    says how many requests it finished."""
-    queue = list(reversed(requests))
-    in_flight = 0
-    started = time.perf_counter()
-    while queue or in_flight:
-        while queue and in_flight < concurrency:
-            ids, max_tokens = queue.pop()
-            add(f"loop-{len(queue)}", ids, max_tokens)
-            in_flight += 1
-        in_flight -= step()
-    return time.perf_counter() - started
-
-
 def compare_phases(phases: dict, ours_s: dict[str, float], vllm_s: dict[str, float]) -> dict:
     out = {}
     for name, n, plen, max_tokens, counted, concurrency in PHASES:
@@ -184,7 +162,7 @@ def compare_phases(phases: dict, ours_s: dict[str, float], vllm_s: dict[str, flo
 def _ours_offline(path, threads, dtype, requests, phases) -> tuple[dict, dict[str, float]]:
     """Our `LLM.generate` on the mixed requests, then on each phase's: tok/s and seconds."""
     import torch
-    from common import Timer, exact_params
+    from common import Timer, exact_params, ours_step_loop
 
     from actors import LLM, SamplingParams
 
@@ -200,7 +178,7 @@ def _ours_offline(path, threads, dtype, requests, phases) -> tuple[dict, dict[st
         phase_seconds = {}
         for name, reqs in phases.items():
             if CONCURRENCY[name]:
-                phase_seconds[name] = _ours_closed_loop(llm.engine, reqs, CONCURRENCY[name])
+                phase_seconds[name] = ours_step_loop(llm.engine, reqs, CONCURRENCY[name])[0]
                 continue
             with Timer() as phase:
                 llm.generate([p for p, _ in reqs], exact_params(reqs))
@@ -208,18 +186,6 @@ def _ours_offline(path, threads, dtype, requests, phases) -> tuple[dict, dict[st
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     ours = {"seconds": t.seconds, "output_tokens": tokens, "tok_s": tokens / t.seconds}
     return ours, phase_seconds
-
-
-def _ours_closed_loop(engine, requests, concurrency: int) -> float:
-    from actors import SamplingParams
-
-    def add(request_id: str, ids: list[int], max_tokens: int) -> None:
-        params = SamplingParams(
-            max_tokens=max_tokens, min_tokens=max_tokens, temperature=0, ignore_eos=True
-        )
-        engine.add_request(request_id, ids, params)
-
-    return closed_loop(add, lambda: sum(o.finished for o in engine.step()), requests, concurrency)
 
 
 def engine_to_engine(path: str, threads: int, dtype: str, rounds: int = 1) -> dict:
@@ -260,6 +226,7 @@ def engine_to_engine(path: str, threads: int, dtype: str, rounds: int = 1) -> di
 
 def _offline_main(requests_path: str, out_path: str) -> None:
     """Inside the peer venv: load vLLM's LLM, warm it up, time generate on the requests."""
+    from common import step_loop
     from vllm import LLM, SamplingParams, TokensPrompt
 
     spec = json.loads(Path(requests_path).read_text())
@@ -294,9 +261,7 @@ def _offline_main(requests_path: str, out_path: str) -> None:
         return sum(o.finished for o in engine.step())
 
     result["phase_seconds"] = {
-        name: closed_loop(add, step, reqs, CONCURRENCY[name])
-        if CONCURRENCY[name]
-        else timed(reqs)[1]
+        name: step_loop(add, step, reqs, CONCURRENCY[name]) if CONCURRENCY[name] else timed(reqs)[1]
         for name, reqs in spec["phases"].items()
     }
     result |= {"load_s": load_s, "version": VERSION}
