@@ -47,15 +47,17 @@ from common import (  # noqa: E402
     median_level,
     percentile,
     resolve_model,
-    step_thread_schedstat,
-    step_thread_shares,
     stream_completion,
     stream_summary,
     streaming_session,
     text_prompts,
-    tree_cpu_seconds,
     venv_tool,
     write_json,
+)
+from cpu_accounting import (  # noqa: E402
+    step_thread_schedstat,
+    step_thread_shares,
+    tree_cpu_seconds,
 )
 
 Prompt = tuple[str, int]  # text, its length in the checkpoint's tokens

@@ -27,11 +27,13 @@ from common import (  # noqa: E402
     closed_loop,
     free_port,
     resolve_model,
-    serve_cpu_seconds,
-    serving_cpu_per_token,
     stream_summary,
     text_prompts,
     write_json,
+)
+from cpu_accounting import (  # noqa: E402
+    serve_cpu_seconds,
+    serving_cpu_per_token,
 )
 
 # The Responses issue's target: streamed /v1/responses keeps this share of chat's tokens/s.

@@ -27,14 +27,16 @@ from common import (  # noqa: E402
     mixed_requests,
     ours_step_loop,
     resolve_model,
-    serve_cpu_seconds,
-    serving_cpu_per_token,
-    step_thread_schedstat,
-    step_thread_shares,
     stream_completion,
     stream_summary,
     streaming_session,
     write_json,
+)
+from cpu_accounting import (  # noqa: E402
+    serve_cpu_seconds,
+    serving_cpu_per_token,
+    step_thread_schedstat,
+    step_thread_shares,
 )
 from grammar_masks import RATIO_TARGET as JSON_DECODE_TARGET  # noqa: E402
 

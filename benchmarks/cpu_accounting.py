@@ -1,0 +1,148 @@
+"""Where a server's CPU goes, read from /proc: a process tree's CPU seconds, the Ray Serve
+processes' by role (proxy, ingress, engine replica's loop and step threads, ...), and the
+engine step threads' scheduling (running, waiting for a CPU, off it)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """user + system CPU seconds of `root` and every process under it, from /proc."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        times[pid] = (int(fields[11]) + int(fields[12])) / tick
+    total = 0.0
+    for pid, seconds in times.items():
+        p = pid
+        while p and p != root:
+            p = parents.get(p, 0)
+        if p == root:
+            total += seconds
+    return total
+
+
+# Serve's processes by the role their title names (`ray::ServeReplica:APP:DEPLOYMENT`,
+# `ray::ProxyActor`, ...): the serving path is every one of them but the engine's step threads.
+SERVE_ROLES = {
+    "ProxyActor": "proxy",
+    ":ingress": "ingress",
+    ":tokenizer": "tokenizer",
+    ":grammar": "grammar",
+    ":engine": "engine",
+    ":admin": "admin",
+    "ServeController": "controller",
+}
+# Not on a request's path: reported beside, never summed into the serving path's cost.
+BACKGROUND_ROLES = ("controller", "admin")
+
+
+def _cpu_of(stat_path: Path, tick: int) -> float:
+    stat = stat_path.read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / tick
+
+
+def _ray_processes() -> Iterator[tuple[Path, str]]:
+    """This machine's Ray worker processes (`ray::...` titles): their /proc folder and title."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:  # a process that ended while read
+            continue
+        if title.startswith("ray::"):
+            yield entry, title
+
+
+def serve_cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this machine's Serve processes, by role, from /proc. An engine
+    replica is split: `engine_step` (threads named `ENGINE_THREAD_PREFIX*`: the step thread,
+    its OpenMP team, the mask filler) and `engine_loop` (the rest: Serve's event loop, Ray's
+    threads)."""
+    from actors.torch_thread import ENGINE_THREAD_PREFIX
+
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for entry, title in _ray_processes():
+        try:
+            role = next((r for key, r in SERVE_ROLES.items() if key in title), None)
+            if role is None:
+                continue
+            if role != "engine":
+                totals[role] = totals.get(role, 0.0) + _cpu_of(entry / "stat", tick)
+                continue
+            for task in (entry / "task").iterdir():
+                name = (task / "comm").read_text().strip()
+                part = "engine_step" if name.startswith(ENGINE_THREAD_PREFIX) else "engine_loop"
+                totals[part] = totals.get(part, 0.0) + _cpu_of(task / "stat", tick)
+        except (OSError, ValueError):  # a process or thread that ended while read
+            continue
+    return totals
+
+
+def step_thread_schedstat() -> dict[str, tuple[int, int]]:
+    """Per engine step thread (named `ENGINE_THREAD_PREFIX*`, in any Serve replica or Ray
+    worker on this machine): nanoseconds on a CPU and waiting for one while runnable, from
+    /proc/PID/task/TID/schedstat."""
+    from actors.torch_thread import ENGINE_THREAD_PREFIX
+
+    out: dict[str, tuple[int, int]] = {}
+    for entry, _ in _ray_processes():
+        try:
+            for task in (entry / "task").iterdir():
+                if (task / "comm").read_text().startswith(ENGINE_THREAD_PREFIX):
+                    run, wait, _ = (task / "schedstat").read_text().split()
+                    out[f"{entry.name}/{task.name}"] = (int(run), int(wait))
+        except (OSError, ValueError):  # a process or thread that ended while read
+            continue
+    return out
+
+
+def step_thread_shares(
+    before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], seconds: float
+) -> dict:
+    """Where the engine's step threads spent a level's wall time, averaged over the threads:
+    `running`; `waiting_for_cpu` (runnable, another thread on the core); `off_cpu` (the rest:
+    the GIL, an OpenMP barrier, no work)."""
+    threads = [t for t in after if t in before]
+    if not threads or seconds <= 0:
+        return {"threads": 0}
+    run = sum(after[t][0] - before[t][0] for t in threads) / 1e9 / seconds / len(threads)
+    wait = sum(after[t][1] - before[t][1] for t in threads) / 1e9 / seconds / len(threads)
+    return {
+        "threads": len(threads),
+        "running": run,
+        "waiting_for_cpu": wait,
+        "off_cpu": max(0.0, 1.0 - run - wait),
+    }
+
+
+def serving_cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict:
+    """CPU ms per output token, by role, between two `serve_cpu_seconds` readings; `serving`
+    sums the path outside the engine's step threads."""
+    per = {
+        role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1e3 / max(tokens, 1)
+        for role in sorted(set(before) | set(after))
+    }
+    path = [r for r in per if r != "engine_step" and r not in BACKGROUND_ROLES]
+    return {"serving": sum(per[r] for r in path), "by_role": per}
+
+
+# A production-shaped JSON schema for constrained-decode benchmarks: nested objects, enums and
+# arrays. Many small items: every row keeps visiting keys, enums and numbers (the masks that
+# cost the most to fill), and none can close the object within the tokens decoded here.
