@@ -217,7 +217,10 @@ int64_t masked_argmax_row(const float* s, const uint32_t* words, int64_t vocab, 
     const float* p = s + w * 32;
     float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-    for (int b = 0; b < 32; ++b) m = std::max(m, ((bits >> b) & 1u) ? p[b] : -INFINITY);
+    for (int b = 0; b < 32; ++b) {
+      const float x = ((bits >> b) & 1u) ? p[b] : -INFINITY;
+      m = x > m ? x : m;  // not std::max: see max_of
+    }
     if (m > best) {
       best = m;
       best_word = w;

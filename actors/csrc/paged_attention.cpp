@@ -302,9 +302,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
       for (int64_t g = 0; g < group; ++g) {
         float* s = &scores[g * n];
-        float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-        for (int64_t i = 0; i < n; ++i) top = s[i] > top ? s[i] : top;
+        const float top = max_of(s, n);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) {

@@ -10,8 +10,10 @@
 // of 16 query positions); a task takes the block's rows of every query head sharing that KV
 // head, so each key and value it loads serves the whole group:
 //  1. scores: the group's rows against K, which is laid out once per KV head as (dim, keys)
-//     so that sixteen keys are one vector and each query element is a broadcast;
-//  2. softmax per row over its causal prefix, in place (fast_exp, as the decode kernel);
+//     so that sixteen keys are one vector and each query element is a broadcast; eight rows
+//     by 32 keys at a time, 16 accumulators in registers;
+//  2. softmax per row over its causal prefix, in place (fast_exp, as the decode kernel),
+//     sixteen lanes at a time to the row's end, the lanes past it masked;
 //  3. the output: the probabilities against V, rows four (dim 64) or two (dim 128) at a time
 //     with their accumulators in registers.
 // A sequence's numbers depend only on its own tokens.
@@ -26,7 +28,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "vec_math.h"
@@ -64,52 +65,53 @@ void transpose_keys(const float* k, Strides ks, int64_t ctx, int64_t padded, flo
   }
 }
 
-// scores[r][t] = q_r . k_t for the task's rows against keys [0, keys).
+// scores[x][t] = q_x . k_t for R rows against the 32 keys of one tile starting at kb: 2R
+// accumulators in registers, each key vector loaded once for all R rows.
+template <int D, int R>
+inline void score_tile(const float* const* rows, const float* kt, int64_t padded, int64_t kb,
+                       float* scores, int64_t stride) {
+  f16v a[R] = {}, b[R] = {};
+  for (int dd = 0; dd < D; ++dd) {
+    const f16v k0 = load(kt + dd * padded + kb), k1 = load(kt + dd * padded + kb + 16);
+    for (int x = 0; x < R; ++x) {
+      const float qx = rows[x][dd];
+      a[x] += k0 * qx, b[x] += k1 * qx;
+    }
+  }
+  for (int x = 0; x < R; ++x) store(scores + x * stride + kb, a[x]), store(scores + x * stride + kb + 16, b[x]);
+}
+
+// scores[r][t] = q_r . k_t for the task's rows against keys [0, keys): eight rows at a time
+// (16 accumulators, enough to keep both FMA ports busy through their latency).
 template <int D>
 void score_rows(const float* const* rows, int64_t num_rows, const float* kt, int64_t padded,
                 int64_t keys, float* scores, int64_t stride) {
   for (int64_t kb = 0; kb < keys; kb += kKeyBlock) {
     int64_t r = 0;
-    for (; r + 4 <= num_rows; r += 4) {
-      const float *q0 = rows[r], *q1 = rows[r + 1], *q2 = rows[r + 2], *q3 = rows[r + 3];
-      f16v a0{}, b0{}, a1{}, b1{}, a2{}, b2{}, a3{}, b3{};
-      for (int dd = 0; dd < D; ++dd) {
-        const f16v k0 = load(kt + dd * padded + kb), k1 = load(kt + dd * padded + kb + 16);
-        a0 += k0 * q0[dd], b0 += k1 * q0[dd];
-        a1 += k0 * q1[dd], b1 += k1 * q1[dd];
-        a2 += k0 * q2[dd], b2 += k1 * q2[dd];
-        a3 += k0 * q3[dd], b3 += k1 * q3[dd];
-      }
-      float* s = scores + r * stride + kb;
-      store(s, a0), store(s + 16, b0);
-      store(s + stride, a1), store(s + stride + 16, b1);
-      store(s + 2 * stride, a2), store(s + 2 * stride + 16, b2);
-      store(s + 3 * stride, a3), store(s + 3 * stride + 16, b3);
-    }
-    for (; r < num_rows; ++r) {
-      const float* q0 = rows[r];
-      f16v a0{}, b0{};
-      for (int dd = 0; dd < D; ++dd) {
-        a0 += load(kt + dd * padded + kb) * q0[dd];
-        b0 += load(kt + dd * padded + kb + 16) * q0[dd];
-      }
-      store(scores + r * stride + kb, a0), store(scores + r * stride + kb + 16, b0);
-    }
+    for (; r + 8 <= num_rows; r += 8) score_tile<D, 8>(rows + r, kt, padded, kb, scores + r * stride, stride);
+    for (; r + 4 <= num_rows; r += 4) score_tile<D, 4>(rows + r, kt, padded, kb, scores + r * stride, stride);
+    for (; r < num_rows; ++r) score_tile<D, 1>(rows + r, kt, padded, kb, scores + r * stride, stride);
   }
 }
 
-// softmax(scale * s) over s[0, n) in place, zeros over [n, keys); returns 1 / the sum.
+// softmax(scale * s) over s[0, n) in place, zeros over [n, keys); returns 1 / the sum. The
+// row's scores are computed in whole tiles, so s may be read up to n rounded up to 16: the
+// exponentials run sixteen lanes at a time to there, the lanes past n masked to zero, instead
+// of ending each row in a one-lane loop as long as the vector part.
 inline float softmax_row(float* s, int64_t n, int64_t keys, float scale) {
-  float top = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-  for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = fast_exp((s[t] - top) * scale);
-    sum += s[t];
+  const float top = max_of(s, n);
+  const int64_t whole = (n + 15) / 16 * 16;
+  f16v lanes{};
+  for (int64_t t0 = 0; t0 < whole; t0 += 16) {
+    float* c = s + t0;
+    const int64_t live = n - t0;
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) c[j] = j < live ? fast_exp((c[j] - top) * scale) : 0.0f;
+    lanes += load(c);
   }
-  std::fill(s + n, s + keys, 0.0f);
+  float sum = 0.0f;
+  for (int j = 0; j < 16; ++j) sum += lanes[j];
+  if (whole < keys) std::fill(s + whole, s + keys, 0.0f);
   return 1.0f / sum;
 }
 

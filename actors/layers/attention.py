@@ -102,9 +102,9 @@ class TorchPagedAttention(AttentionBackend):
             vs = v_cache.index_select(1, p.block_table).view(h_kv, -1, d)[:, : p.ctx_len]
         plain = p.mask is None or not self.window  # causal over the cached prefix, no window
         if self.prefill_kernel and plain and qs.dtype == torch.float32:
-            # The kernel needs no mask for that. Against the SDPA call below, one layer, 1
-            # thread: 0.71-0.98 vs 1.54-1.66 ms at 256 tokens, 1.05-1.15 vs 1.58-1.78 ms for
-            # 100 tokens after 512 cached.
+            # The kernel needs no mask for that. Against the SDPA call below, one layer of
+            # the trained model, 1 thread: 0.90-1.21 vs 1.36-1.99 ms at 256 tokens, 1.53-2.16
+            # vs 1.74-2.39 ms for 100 after 612 cached (benchmarks/prefill_attention.py).
             return torch.ops.serve_app.prefill_attention(qs, ks, vs, self.scale)
         # Batched (4-D) inputs: with 3-D ones torch takes its math path, which builds the
         # whole score matrix; 4-D ones reach the fused kernels (flash on CPU). Measured on
