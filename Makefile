@@ -83,6 +83,8 @@ bench: $(STAMP) kernels demo-model
 	$(PY) benchmarks/ideal_step.py --model bench --threads 1 --out $(R)/ideal_step_bench.json
 	$(PY) benchmarks/panel_linear.py --out $(R)/panel_linear.json
 	$(PY) benchmarks/prefill_attention.py --out $(R)/prefill_attention.json
+	$(PY) benchmarks/prefill_attention.py --model bench --out $(R)/prefill_attention_bench.json
+	$(PY) benchmarks/torch_compile.py --out $(R)/torch_compile.json
 	$(PY) benchmarks/grammar_masks.py --out $(R)/grammar_masks.json
 	$(PY) benchmarks/grammar_masks.py --model bench --out $(R)/grammar_masks_bench.json
 	$(PY) benchmarks/serving.py --out $(R)/serving.json
