@@ -125,6 +125,63 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
+def ab_generate(
+    llm,
+    phases: dict[str, list[tuple[list[int], int]]],
+    rounds: int,
+    sides: tuple[str, str],
+    switch: Callable[[str], None],
+    counted: Callable[[list[tuple[list[int], int]]], int],
+    unit: str = "tok_s",
+) -> tuple[dict, bool]:
+    """Each phase's requests through our `LLM.generate` under two settings in turn
+    (`switch(side)` before each run; AB, BA, ... by round, so drift weighs on both): per
+    phase each side's median of `counted(requests)` per second, the first side's over the
+    second's, each round's ratio and every run. Also whether both sides made the same tokens
+    in every run. The caller puts its setting back afterwards."""
+    first, second = sides
+    runs: dict[str, dict[str, list[float]]] = {name: {first: [], second: []} for name in phases}
+    same_tokens = True
+    for r in range(rounds):
+        for name, reqs in phases.items():
+            tokens = {}
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                switch(side)
+                with Timer() as t:
+                    results = llm.generate([p for p, _ in reqs], exact_params(reqs))
+                tokens[side] = [x.outputs[0].token_ids for x in results]
+                runs[name][side].append(counted(reqs) / t.seconds)
+            same_tokens &= tokens[first] == tokens[second]
+    out = {}
+    for name, by_side in runs.items():
+        a, b = statistics.median(by_side[first]), statistics.median(by_side[second])
+        out[name] = {
+            f"{first}_{unit}": round(a, 1),
+            f"{second}_{unit}": round(b, 1),
+            "ratio": round(a / b, 3),
+            "pairs": [
+                round(x / y, 3) for x, y in zip(by_side[first], by_side[second], strict=True)
+            ],
+            "runs": {k: [round(v, 1) for v in vs] for k, vs in by_side.items()},
+        }
+    return out, same_tokens
+
+
+def kernel_bench_model(name: str, threads: int):
+    """The start of a CPU-kernel benchmark: the engine's kernels built (or exit saying so),
+    torch on `threads`, the checkpoint resolved. Its `Model` and fp32 `ModelConfig`."""
+    import torch
+
+    from actors.config import ModelConfig
+    from actors.layers import kernels
+
+    if not kernels.available():
+        raise SystemExit("the engine's CPU kernels are not built here (make kernels)")
+    torch.set_num_threads(threads)
+    model = resolve_model(name)
+    return model, ModelConfig.from_pretrained(model.path, dtype=torch.float32)
+
+
 def run_header(model: Model) -> dict:
     """What every in-process benchmark's JSON starts with: the checkpoint, dtype and threads."""
     import torch

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -26,16 +25,16 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     Timer,
-    exact_params,
+    ab_generate,
+    kernel_bench_model,
     mixed_requests,
-    resolve_model,
     run_header,
     write_json,
 )
 
 from actors import LLM, SamplingParams  # noqa: E402
 from actors.config import ModelConfig  # noqa: E402
-from actors.layers import kernels, prepack  # noqa: E402
+from actors.layers import prepack  # noqa: E402
 from actors.platform import PANEL_LINEAR_MAX_ROWS  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -61,8 +60,6 @@ def projection_shapes(path: str) -> list[tuple[int, int]]:
 
 
 def kernel(path: str, weight_mib: int, reps: int) -> dict:
-    if not kernels.available():
-        raise SystemExit("the engine's CPU kernels are not built here (make kernels)")
     shapes = projection_shapes(path)
     per_set = sum(n * k * 4 for n, k in shapes)
     sets = max(1, weight_mib * 2**20 // per_set)
@@ -113,8 +110,6 @@ def engine(path: str, rounds: int, vocab: int) -> dict:
     }
     phases["mixed_64"] = mixed_requests(64, vocab)
 
-    runs: dict[str, dict[str, list[float]]] = {p: {"panels": [], "onednn": []} for p in phases}
-    same_tokens = True
     with LLM(
         model=path,
         dtype="float32",
@@ -124,30 +119,21 @@ def engine(path: str, rounds: int, vocab: int) -> dict:
     ) as llm:
         assert any(getattr(m, "panel_weight", None) is not None for m in llm_modules(llm))
         llm.generate([p for p, _ in phases["decode_b4"]], SamplingParams(max_tokens=8))
-        for r in range(rounds):
-            for name, reqs in phases.items():
-                order = ("panels", "onednn") if r % 2 == 0 else ("onednn", "panels")
-                tokens = {}
-                for side in order:
-                    prepack.PANEL_LINEAR_MAX_ROWS = PANEL_LINEAR_MAX_ROWS if side == "panels" else 0
-                    with Timer() as t:
-                        results = llm.generate([p for p, _ in reqs], exact_params(reqs))
-                    tokens[side] = [r.outputs[0].token_ids for r in results]
-                    runs[name][side].append(sum(m for _, m in reqs) / t.seconds)
-                same_tokens &= tokens["panels"] == tokens["onednn"]
-    prepack.PANEL_LINEAR_MAX_ROWS = PANEL_LINEAR_MAX_ROWS
-    out = {}
-    for name, sides in runs.items():
-        panels, onednn = statistics.median(sides["panels"]), statistics.median(sides["onednn"])
-        out[name] = {
-            "panels_tok_s": round(panels, 1),
-            "onednn_tok_s": round(onednn, 1),
-            "ratio": round(panels / onednn, 3),
-            "pairs": [
-                round(a / b, 3) for a, b in zip(sides["panels"], sides["onednn"], strict=True)
-            ],
-            "runs": {k: [round(v, 1) for v in vs] for k, vs in sides.items()},
-        }
+
+        def switch(side: str) -> None:
+            prepack.PANEL_LINEAR_MAX_ROWS = PANEL_LINEAR_MAX_ROWS if side == "panels" else 0
+
+        try:
+            out, same_tokens = ab_generate(
+                llm,
+                phases,
+                rounds,
+                ("panels", "onednn"),
+                switch,
+                lambda reqs: sum(m for _, m in reqs),
+            )
+        finally:
+            prepack.PANEL_LINEAR_MAX_ROWS = PANEL_LINEAR_MAX_ROWS
     return {"phases": out, "greedy_tokens_identical": same_tokens}
 
 
@@ -165,15 +151,13 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model = resolve_model(args.model)
+    model, config = kernel_bench_model(args.model, args.threads)
     result = run_header(model)
     result["panel_rows"] = f"<= {PANEL_LINEAR_MAX_ROWS}"
     result["kernel"] = kernel(model.path, args.weight_mib, args.reps)
     if not args.skip_engine:
-        vocab = ModelConfig.from_pretrained(model.path, dtype=torch.float32).vocab_size
         result["rounds"] = args.rounds
-        result["engine"] = engine(model.path, args.rounds, vocab)
+        result["engine"] = engine(model.path, args.rounds, config.vocab_size)
     write_json(result, args.out)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from functools import partial
 
@@ -26,11 +25,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Timer, exact_params, mixed_requests, resolve_model, run_header, write_json  # noqa: E402
+from common import (  # noqa: E402
+    Timer,
+    ab_generate,
+    exact_params,
+    kernel_bench_model,
+    mixed_requests,
+    run_header,
+    write_json,
+)
 
 from actors import LLM  # noqa: E402
 from actors.config import ModelConfig  # noqa: E402
-from actors.layers import kernels  # noqa: E402
 
 # (tokens of this chunk, tokens in context including them)
 CHUNKS = ((64, 64), (160, 160), (256, 256), (512, 512), (100, 712))
@@ -107,8 +113,6 @@ def engine(path: str, rounds: int, vocab: int) -> dict:
         name: mixed_requests(n, vocab, (plen, plen), (1, 1), seed=700 + i)
         for i, (name, n, plen) in enumerate(PHASES)
     }
-    runs = {p: {"kernel": [], "sdpa": []} for p in phases}
-    same_tokens = True
     with LLM(
         model=path,
         dtype="float32",
@@ -119,27 +123,22 @@ def engine(path: str, rounds: int, vocab: int) -> dict:
         backend = attention_backend(llm)
         assert backend.prefill_kernel, "the kernel is not in use"
         llm.generate([p for p, _ in phases["prefill_4x512"]], exact_params(phases["prefill_4x512"]))
-        for r in range(rounds):
-            for name, reqs in phases.items():
-                order = ("kernel", "sdpa") if r % 2 == 0 else ("sdpa", "kernel")
-                tokens = {}
-                for side in order:
-                    backend.prefill_kernel = side == "kernel"
-                    with Timer() as t:
-                        results = llm.generate([p for p, _ in reqs], exact_params(reqs))
-                    tokens[side] = [x.outputs[0].token_ids for x in results]
-                    runs[name][side].append(sum(len(p) for p, _ in reqs) / t.seconds)
-                same_tokens &= tokens["kernel"] == tokens["sdpa"]
-        backend.prefill_kernel = True
-    out = {}
-    for name, sides in runs.items():
-        ours, sdpa = statistics.median(sides["kernel"]), statistics.median(sides["sdpa"])
-        out[name] = {
-            "kernel_prompt_tok_s": round(ours, 1),
-            "sdpa_prompt_tok_s": round(sdpa, 1),
-            "ratio": round(ours / sdpa, 3),
-            "runs": {k: [round(v, 1) for v in vs] for k, vs in sides.items()},
-        }
+
+        def switch(side: str) -> None:
+            backend.prefill_kernel = side == "kernel"
+
+        try:
+            out, same_tokens = ab_generate(
+                llm,
+                phases,
+                rounds,
+                ("kernel", "sdpa"),
+                switch,
+                lambda reqs: sum(len(p) for p, _ in reqs),
+                unit="prompt_tok_s",
+            )
+        finally:
+            backend.prefill_kernel = True
     return {"phases": out, "first_tokens_identical": same_tokens}
 
 
@@ -152,11 +151,7 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not kernels.available():
-        raise SystemExit("the engine's CPU kernels are not built here (make kernels)")
-    torch.set_num_threads(args.threads)
-    model = resolve_model(args.model)
-    config = ModelConfig.from_pretrained(model.path, dtype=torch.float32)
+    model, config = kernel_bench_model(args.model, args.threads)
     result = run_header(model)
     result["heads"] = (
         f"{config.num_heads} over {config.num_kv_heads} KV heads, dim {config.head_dim}"

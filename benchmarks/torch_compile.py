@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Timer, resolve_model, run_header, write_json  # noqa: E402
+from common import Timer, kernel_bench_model, run_header, write_json  # noqa: E402
 
 from actors.config import ModelConfig  # noqa: E402
-from actors.layers import kernels, prepack  # noqa: E402
+from actors.layers import prepack  # noqa: E402
 
 BLOCK_ROWS = (16, 64, 512, 2048)
 GEMM_ROWS = (128, 256, 512, 1024, 2048)
@@ -156,11 +156,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not kernels.available():
-        raise SystemExit("the engine's CPU kernels are not built here (make kernels)")
-    torch.set_num_threads(args.threads)
-    model = resolve_model(args.model)
-    config = ModelConfig.from_pretrained(model.path, dtype=torch.float32)
+    model, config = kernel_bench_model(args.model, args.threads)
     result = run_header(model)
     result["torch"] = torch.__version__
     result["block"] = block(config, args.reps)
