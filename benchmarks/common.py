@@ -125,6 +125,17 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
+def best_of(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of `reps` timed calls of `fn`, in seconds, after one untimed call."""
+    fn()
+    seconds = []
+    for _ in range(reps):
+        with Timer() as t:
+            fn()
+        seconds.append(t.seconds)
+    return min(seconds)
+
+
 def ab_generate(
     llm,
     phases: dict[str, list[tuple[list[int], int]]],

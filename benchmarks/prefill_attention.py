@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    Timer,
     ab_generate,
+    best_of,
     exact_params,
     kernel_bench_model,
     mixed_requests,
@@ -79,15 +79,7 @@ def kernel(config: ModelConfig, reps: int) -> list[dict]:
             "kernel": partial(torch.ops.serve_app.prefill_attention, q, k, v, scale),
             "sdpa": partial(sdpa, q, k, v, mask, scale, heads != kv_heads),
         }
-        best = {}
-        for name, fn in calls.items():
-            fn()
-            seconds = []
-            for _ in range(reps):
-                with Timer() as t:
-                    fn()
-                seconds.append(t.seconds)
-            best[name] = min(seconds)
+        best = {name: best_of(fn, reps) for name, fn in calls.items()}
         flops = causal_flops(heads, d, q_len, ctx)
         out.append(
             {

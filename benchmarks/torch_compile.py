@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Timer, kernel_bench_model, run_header, write_json  # noqa: E402
+from common import Timer, best_of, kernel_bench_model, run_header, write_json  # noqa: E402
 
 from actors.config import ModelConfig  # noqa: E402
 from actors.layers import prepack  # noqa: E402
@@ -38,13 +38,7 @@ GEMM_ROWS = (128, 256, 512, 1024, 2048)
 
 
 def best_ms(fn, reps: int) -> float:
-    fn()
-    seconds = []
-    for _ in range(reps):
-        with Timer() as t:
-            fn()
-        seconds.append(t.seconds)
-    return round(min(seconds) * 1e3, 3)
+    return round(best_of(fn, reps) * 1e3, 3)
 
 
 def on_copies(fn, x: torch.Tensor, residual: torch.Tensor):
