@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from tests.support.admin import replica_stat
+
 pytestmark = pytest.mark.serve
 
 IDLE = {"kv_blocks_used": 0, "live_requests": 0, "running": 0, "waiting": 0, "held": 0}
@@ -31,10 +33,6 @@ def _idle_totals(admin_url: str) -> dict:
     # Totals over no reporting replica would look idle: require the replica to be there.
     assert len(stats["replicas"]) == 1, stats
     return {k: stats["total"][k] for k in IDLE}
-
-
-def _replica_stat(admin_url: str, key: str) -> int:
-    return httpx.get(f"{admin_url}/admin/v1/stats").json()["replicas"][0][key]
 
 
 def _wait_idle(admin_url: str, within_s: float) -> float:
@@ -83,7 +81,7 @@ def test_half_of_200_streams_disconnect_and_everything_is_released(serve_url, ad
         async with httpx.AsyncClient(timeout=300, limits=limits) as http:
             return await asyncio.gather(*(client(i, http) for i in range(200)))
 
-    late_before = _replica_stat(admin_url, "outputs_after_cancel")
+    late_before = replica_stat(admin_url, "outputs_after_cancel")
     results = asyncio.run(run_all())
     finished = [r for r in results if r is not None]
     assert len(finished) == 100
@@ -95,7 +93,7 @@ def test_half_of_200_streams_disconnect_and_everything_is_released(serve_url, ad
     # Once the cancellation reached the engine, each leaver ran in at most one step begun
     # after it (the one that may start while the abort is being queued); the fence dropped
     # its output. (Outputs computed before the cancel and still queued are fenced too.)
-    assert _replica_stat(admin_url, "outputs_after_cancel") - late_before <= 100
+    assert replica_stat(admin_url, "outputs_after_cancel") - late_before <= 100
     after = httpx.post(
         f"{serve_url}/v1/completions",
         json={"model": model_id, "prompt": "again", "max_tokens": 4, "ignore_eos": True},
@@ -126,18 +124,27 @@ def test_concurrent_streams_travel_in_the_output_channel_many_outputs_per_item(
         async with httpx.AsyncClient(timeout=120) as http:
             return await asyncio.gather(*(client(http) for _ in range(streams)))
 
-    items_before = _replica_stat(admin_url, "channel_items")
-    outputs_before = _replica_stat(admin_url, "channel_outputs")
+    # The ingress opens its channel when a request of its comes back unchannelled, and a
+    # channel with no request for IDLE_S (2 s) ends: one request first, so that the measured
+    # streams find it open whatever the tests before left.
+    warm = httpx.post(
+        f"{serve_url}/v1/completions",
+        json={"model": model_id, "prompt": "warm", "max_tokens": 4, "ignore_eos": True},
+        timeout=60,
+    )
+    assert warm.status_code == 200
+    items_before = replica_stat(admin_url, "channel_items")
+    outputs_before = replica_stat(admin_url, "channel_outputs")
     received = asyncio.run(run_all())
     # Every token of every stream arrived.
     assert received == [max_tokens] * streams
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:  # the replica reports a few times a second
-        outputs = _replica_stat(admin_url, "channel_outputs") - outputs_before
+        outputs = replica_stat(admin_url, "channel_outputs") - outputs_before
         if outputs >= streams * (max_tokens - 1):
             break
         time.sleep(0.1)
-    items = _replica_stat(admin_url, "channel_items") - items_before
+    items = replica_stat(admin_url, "channel_items") - items_before
     assert outputs >= streams * (max_tokens - 1)
     assert items < outputs / 2
 

@@ -16,6 +16,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.support.admin import replica_stat
+
 pytestmark = pytest.mark.serve
 
 WEATHER = {
@@ -196,13 +198,17 @@ def test_stored_responses_tokens_travel_in_the_runners_output_channel(
     one item per engine wake-up for every running response, not one Serve item per token."""
     max_tokens, streams = 16, 6
 
-    def stat(key: str) -> int:
-        return httpx.get(f"{admin_url}/admin/v1/stats").json()["replicas"][0][key]
-
     def one(i: int) -> Any:
         return create(client, model_id, input=f"Count to ten, {i}.", max_output_tokens=max_tokens)
 
-    items_before, outputs_before = stat("channel_items"), stat("channel_outputs")
+    # The runner opens its channel to the engine replica when a request of its comes back
+    # unchannelled, and a channel with no request for IDLE_S (2 s) ends: one response first,
+    # so that the measured ones find it open whatever the tests before left.
+    check_ending(one(-1), max_tokens)
+    items_before, outputs_before = (
+        replica_stat(admin_url, "channel_items"),
+        replica_stat(admin_url, "channel_outputs"),
+    )
     with ThreadPoolExecutor(streams) as pool:
         finals = list(pool.map(one, range(streams)))
     for final in finals:
@@ -210,11 +216,14 @@ def test_stored_responses_tokens_travel_in_the_runners_output_channel(
     wanted = sum(r.usage.output_tokens - 1 for r in finals)
     assert wanted >= 2 * streams  # enough tokens to tell items from outputs
     deadline = time.monotonic() + 5
-    while stat("channel_outputs") - outputs_before < wanted and time.monotonic() < deadline:
+    while (
+        replica_stat(admin_url, "channel_outputs") - outputs_before < wanted
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.1)  # the replica reports a few times a second
-    outputs = stat("channel_outputs") - outputs_before
+    outputs = replica_stat(admin_url, "channel_outputs") - outputs_before
     assert outputs >= wanted
-    assert stat("channel_items") - items_before < outputs / 2
+    assert replica_stat(admin_url, "channel_items") - items_before < outputs / 2
 
 
 def test_a_forced_function_call_streams_its_arguments(client: openai.OpenAI, model_id: str):

@@ -29,3 +29,8 @@ def wait_reporting(admin_url: str, num_replicas: int = 1, timeout_s: float = 30)
             return stats
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
+
+
+def replica_stat(admin_url: str, key: str) -> int:
+    """One counter of the first engine replica's last report (the test servers run one)."""
+    return httpx.get(f"{admin_url}/admin/v1/stats", timeout=10).json()["replicas"][0][key]
