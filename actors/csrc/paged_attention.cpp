@@ -36,12 +36,7 @@
 
 namespace {
 
-// Sixteen floats as one value: the compiler maps it onto the vector unit it has (one AVX-512
-// register, two AVX2 ones). Head dims that are multiples of 16 take this path.
-typedef float f16v __attribute__((vector_size(64)));
-typedef float f8v __attribute__((vector_size(32)));
-typedef float f4v __attribute__((vector_size(16)));
-
+// Head dims that are multiples of 16 take the vector path (f16v, vec_math.h).
 template <typename T>
 inline f16v load16(const T* p) {
   f16v v;
@@ -51,14 +46,6 @@ inline f16v load16(const T* p) {
     for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
   }
   return v;
-}
-
-// A pairwise sum of the lanes (a strictly ordered one would chain sixteen additions).
-inline float sum_lanes(f16v v) {
-  const f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // In the helpers below `D` is the head dim when it is a known multiple of 16 (then the loops

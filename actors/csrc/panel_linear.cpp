@@ -33,21 +33,13 @@
 #include <optional>
 #include <utility>
 
-namespace {
+#include "vec_math.h"
 
-typedef float f16v __attribute__((vector_size(64)));
+namespace {
 
 constexpr int64_t kPanel = 32;        // outputs per panel: two 16-float vectors
 constexpr int kMaxRows = 12;          // rows per group: 24 accumulators + 2 weights + 1 row value
 constexpr int64_t kAhead = 1024;      // floats (4 KB) the loads prefetch ahead of the panel
-
-inline f16v load(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
 
 // y[i][0:cols) = sum over k of x[i][k] * panel[k][0:cols), for i < R.
 // `next`, when set, is this group's share of the next panel: `stride` bytes of it per k step.

@@ -27,25 +27,14 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "vec_math.h"
 
 namespace {
 
-typedef float f16v __attribute__((vector_size(64)));
-
 constexpr int64_t kQueryBlock = 16;  // query positions per task
 constexpr int64_t kKeyBlock = 32;    // keys per score tile (two vectors)
-
-inline f16v load(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
 
 struct Strides {
   int64_t head, pos;
@@ -78,7 +67,10 @@ inline void score_tile(const float* const* rows, const float* kt, int64_t padded
       a[x] += k0 * qx, b[x] += k1 * qx;
     }
   }
-  for (int x = 0; x < R; ++x) store(scores + x * stride + kb, a[x]), store(scores + x * stride + kb + 16, b[x]);
+  for (int x = 0; x < R; ++x) {
+    store(scores + x * stride + kb, a[x]);
+    store(scores + x * stride + kb + 16, b[x]);
+  }
 }
 
 // scores[r][t] = q_r . k_t for the task's rows against keys [0, keys): eight rows at a time
@@ -88,8 +80,10 @@ void score_rows(const float* const* rows, int64_t num_rows, const float* kt, int
                 int64_t keys, float* scores, int64_t stride) {
   for (int64_t kb = 0; kb < keys; kb += kKeyBlock) {
     int64_t r = 0;
-    for (; r + 8 <= num_rows; r += 8) score_tile<D, 8>(rows + r, kt, padded, kb, scores + r * stride, stride);
-    for (; r + 4 <= num_rows; r += 4) score_tile<D, 4>(rows + r, kt, padded, kb, scores + r * stride, stride);
+    for (; r + 8 <= num_rows; r += 8)
+      score_tile<D, 8>(rows + r, kt, padded, kb, scores + r * stride, stride);
+    for (; r + 4 <= num_rows; r += 4)
+      score_tile<D, 4>(rows + r, kt, padded, kb, scores + r * stride, stride);
     for (; r < num_rows; ++r) score_tile<D, 1>(rows + r, kt, padded, kb, scores + r * stride, stride);
   }
 }
@@ -109,8 +103,7 @@ inline float softmax_row(float* s, int64_t n, int64_t keys, float scale) {
     for (int j = 0; j < 16; ++j) c[j] = j < live ? fast_exp((c[j] - top) * scale) : 0.0f;
     lanes += load(c);
   }
-  float sum = 0.0f;
-  for (int j = 0; j < 16; ++j) sum += lanes[j];
+  const float sum = sum_lanes(lanes);
   if (whole < keys) std::fill(s + whole, s + keys, 0.0f);
   return 1.0f / sum;
 }

@@ -6,6 +6,28 @@
 #include <cstdint>
 #include <cstring>
 
+// Sixteen floats as one value: the compiler maps it onto the vector unit it has (one AVX-512
+// register, two AVX2 ones).
+typedef float f16v __attribute__((vector_size(64)));
+typedef float f8v __attribute__((vector_size(32)));
+typedef float f4v __attribute__((vector_size(16)));
+
+inline f16v load(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
+
+// A pairwise sum of the lanes (a strictly ordered one would chain sixteen additions).
+inline float sum_lanes(f16v v) {
+  const f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 // exp(x) to about 2 ulp for x in [-87, 88] (clamped outside): Cody-Waite range reduction and
 // a degree-6 polynomial.
 inline float fast_exp(float x) {
