@@ -9,30 +9,74 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """user + system CPU seconds of `root` and every process under it, from /proc."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
+def _proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """Every process's pid and /proc/PID/stat fields after its name (state first)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
-        except OSError:
+        except OSError:  # a process that ended while read
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        pid = int(entry.name)
-        parents[pid] = int(fields[1])
-        times[pid] = (int(fields[11]) + int(fields[12])) / tick
-    total = 0.0
-    for pid, seconds in times.items():
+        yield int(entry.name), stat[stat.rindex(")") + 2 :].split()
+
+
+def _tree(root: int) -> dict[int, list[str]]:
+    """`root` and every live process under it: pid -> its /proc stat fields."""
+    stats = dict(_proc_stats())
+    out = {}
+    for pid, fields in stats.items():
         p = pid
         while p and p != root:
-            p = parents.get(p, 0)
+            p = int(stats[p][1]) if p in stats else 0
         if p == root:
-            total += seconds
-    return total
+            out[pid] = fields
+    return out
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """user + system CPU seconds of `root` and every process under it, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return sum((int(f[11]) + int(f[12])) / tick for f in _tree(root).values())
+
+
+def tree_pids(root: int) -> set[int]:
+    """`root` and every live process under it (zombies excluded)."""
+    return {pid for pid, f in _tree(root).items() if f[0] != "Z"}
+
+
+def live_pids(pids: set[int]) -> set[int]:
+    """Those of `pids` still running (zombies excluded)."""
+    return {pid for pid, f in _proc_stats() if pid in pids and f[0] != "Z"}
+
+
+def machine_ticks() -> dict[str, int]:
+    """This machine's CPU time so far, all cores, in clock ticks from /proc/stat: `busy`
+    (user, nice, system, irq, softirq), `idle` (with iowait) and `steal` (a runnable vCPU the
+    hypervisor gave to another guest)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return {
+        "busy": user + nice + system + irq + softirq,
+        "idle": idle + iowait,
+        "steal": steal,
+    }
+
+
+def machine_shares(
+    before: dict[str, int], after: dict[str, int], accounted_cpu_s: float, seconds: float
+) -> dict:
+    """How the machine's cores spent a level: `busy`, `steal` (shares of all cores' wall time)
+    and `other_cpu_s`, the busy CPU-seconds that `accounted_cpu_s` (the server's process tree
+    and the load generator) does not explain: another process competing for the cores."""
+    tick = os.sysconf("SC_CLK_TCK")
+    capacity = seconds * (os.cpu_count() or 1)
+    busy = (after["busy"] - before["busy"]) / tick
+    return {
+        "busy": busy / capacity if capacity else 0.0,
+        "steal": (after["steal"] - before["steal"]) / tick / capacity if capacity else 0.0,
+        "other_cpu_s": max(0.0, busy - accounted_cpu_s),
+    }
 
 
 # Serve's processes by the role their title names (`ray::ServeReplica:APP:DEPLOYMENT`,

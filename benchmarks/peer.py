@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -55,9 +56,13 @@ from common import (  # noqa: E402
     write_json,
 )
 from cpu_accounting import (  # noqa: E402
+    live_pids,
+    machine_shares,
+    machine_ticks,
     step_thread_schedstat,
     step_thread_shares,
     tree_cpu_seconds,
+    tree_pids,
 )
 
 Prompt = tuple[str, int]  # text, its length in the checkpoint's tokens
@@ -95,13 +100,29 @@ class ServerProcess:
         return httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # both shut down cleanly on Ctrl-C
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        """Stop the server and wait until every process it started is gone, so that nothing
+        of it (a Ray worker, vLLM's engine process) runs into the next server's levels."""
+        if self.proc.poll() is not None:
+            return
+        started = tree_pids(self.proc.pid)
+        self.proc.send_signal(signal.SIGINT)  # both shut down cleanly on Ctrl-C
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        deadline = time.monotonic() + STOP_GRACE_S
+        while (left := live_pids(started)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:  # outlived the grace period: not allowed to weigh on what runs next
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if left:
+            print(f"{self.name}: killed {len(left)} processes left after stop", file=sys.stderr)
+
+
+# How long a stopped server's processes get to exit on their own before they are killed.
+STOP_GRACE_S = 20.0
 
 
 def start_ours(
@@ -185,6 +206,8 @@ async def run_level(
     """`requests` through `concurrency` closed-loop clients; latency percentiles, tokens/s,
     the server's CPU-seconds per output token and (ours) where its step threads' time went."""
     cpu_before = tree_cpu_seconds(server.proc.pid)
+    client_before = time.process_time()
+    machine_before = machine_ticks()
     sched_before = step_thread_schedstat()
     async with streaming_session() as session:
 
@@ -195,6 +218,8 @@ async def run_level(
 
         results, seconds = await closed_loop(requests, concurrency, send)
     cpu = tree_cpu_seconds(server.proc.pid) - cpu_before
+    client_cpu = time.process_time() - client_before
+    machine = machine_shares(machine_before, machine_ticks(), cpu + client_cpu, seconds)
     sched = step_thread_shares(sched_before, step_thread_schedstat(), seconds)
     chunks = sum(r["chunks"] for r in results)
     summary = stream_summary(results, seconds)
@@ -206,6 +231,9 @@ async def run_level(
         "tokens_per_chunk": summary["output_tokens"] / max(1, chunks),
         "server_cpu_s_per_output_token": cpu / max(1, summary["output_tokens"]),
         **({"engine_step_threads": sched} if sched["threads"] else {}),
+        # Whether something else ran on the machine during the level: its cores' busy and
+        # stolen shares, and busy CPU-seconds neither the server nor the client explains.
+        "machine": machine,
     }
 
 
