@@ -77,8 +77,10 @@ class Sequence:
     @property
     def timeline(self) -> dict[str, float | None]:
         """When this sample was first scheduled (prefill began), got its grammar, and
-        produced its first token, in seconds from arrival."""
+        produced its first token, in seconds from arrival; `arrived_at`, the arrival itself
+        on this process's `time.monotonic` clock."""
         return {
+            "arrived_at": self.arrival_time,
             "scheduled_s": self.queue_time,
             "grammar_ready_s": self.constraint_time,
             "first_token_s": self.first_token_time,

@@ -71,7 +71,7 @@ class TimelineRing:
                 "finished": bool(last is not None and last.finished),
                 "finish_reason": _finish_reason(last),
                 "error_code": last.error_code if last is not None else None,
-                "timeline": _timeline(last, time.monotonic() - started),
+                "timeline": _timeline(last, started),
             }
             self.add(entry)
 
@@ -125,16 +125,20 @@ def _finish_reason(last: RequestOutput | None) -> str | None:
     return reason.value if reason is not None else None
 
 
-def _timeline(last: RequestOutput | None, finished_s: float) -> dict[str, float | None]:
+def _timeline(last: RequestOutput | None, started: float) -> dict[str, float | None]:
     """Seconds from the request's arrival in the engine: prefill began (`scheduled_s`), its
-    grammar was attached, sample 0's first token. `finished_s` is timed by the replica from
-    receiving the request to the end of its stream; the engine's arrival comes a little later
-    (at most one step), so it is an upper bound in the same frame."""
+    grammar was attached, sample 0's first token. The replica's own times, from receiving the
+    request (`started`, on the monotonic clock the engine shares): `engine_arrival_s`, the
+    wait before the engine took it (the step in progress ends first), and `finished_s`, the
+    end of its stream. A client's time to first token is its own path to the replica, plus
+    `engine_arrival_s` and `first_token_s`, plus the first token's way back."""
     engine = (last.timeline if last is not None else None) or {}
+    arrived_at = engine.get("arrived_at")
     return {
         "arrival_s": 0.0,
+        "engine_arrival_s": arrived_at - started if arrived_at is not None else None,
         "scheduled_s": engine.get("scheduled_s"),
         "grammar_ready_s": engine.get("grammar_ready_s"),
         "first_token_s": engine.get("first_token_s"),
-        "finished_s": finished_s,
+        "finished_s": time.monotonic() - started,
     }

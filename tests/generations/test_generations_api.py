@@ -111,6 +111,9 @@ def test_a_background_generation_has_its_engine_timeline_under_its_id(serve_url,
     assert entry["finished"] and entry["num_output_tokens"] == final["usage"]["output_tokens"]
     timeline = entry["timeline"]
     assert 0 <= timeline["scheduled_s"] <= timeline["first_token_s"] <= timeline["finished_s"]
+    # The engine's arrival in the replica's frame: receive, wait, first token, stream's end.
+    wait = timeline["engine_arrival_s"]
+    assert wait >= 0 and wait + timeline["first_token_s"] <= timeline["finished_s"]
 
 
 def test_stream_events_in_order_and_the_resource_saved_before_the_end(serve_url):

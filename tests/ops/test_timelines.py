@@ -5,6 +5,7 @@ finds a request by either id on any replica, keeping a bounded number of each.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from actors.messages import EngineRequest
 from actors.outputs import CompletionDelta, RequestOutput
@@ -50,6 +51,21 @@ def test_ring_records_a_finished_request_once_and_finds_it_by_engine_id():
     assert timeline["finished_s"] >= 0
     assert ring.take_new() == [entry] and ring.take_new() == []
     assert ring.lookup("unknown") == []
+
+
+def test_the_engines_arrival_is_placed_on_the_replicas_clock():
+    async def taken_after_the_step_in_progress():
+        await asyncio.sleep(0.05)  # the engine takes a request once its current step ends
+        timeline = {"arrived_at": time.monotonic(), "scheduled_s": 0.0, "first_token_s": 0.01}
+        last = CompletionDelta(0, [8], "b", finish_reason=FinishReason.LENGTH)
+        yield RequestOutput("e2", [1, 2, 3], [last], 0, True, timeline=timeline)
+
+    ring = TimelineRing("replica-a")
+    asyncio.run(drain(ring, engine_request("e2"), taken_after_the_step_in_progress()))
+    (entry,) = ring.lookup("e2")
+    timeline = entry["timeline"]
+    assert 0.05 <= timeline["engine_arrival_s"] <= timeline["finished_s"]
+    assert "arrived_at" not in timeline  # a reading of one process's clock means nothing outside
 
 
 def test_a_reader_that_leaves_is_recorded_unfinished_and_closes_the_engine_stream():
