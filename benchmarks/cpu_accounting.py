@@ -52,12 +52,14 @@ def live_pids(pids: set[int]) -> set[int]:
 
 def machine_ticks() -> dict[str, int]:
     """This machine's CPU time so far, all cores, in clock ticks from /proc/stat: `busy`
-    (user, nice, system, irq, softirq), `idle` (with iowait) and `steal` (a runnable vCPU the
-    hypervisor gave to another guest)."""
+    (user, nice, system, irq, softirq), `interrupts` (irq and softirq: work such as loopback
+    TCP that no process's own CPU time includes), `idle` (with iowait) and `steal` (a
+    runnable vCPU the hypervisor gave to another guest)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     user, nice, system, idle, iowait, irq, softirq, steal = fields
     return {
         "busy": user + nice + system + irq + softirq,
+        "interrupts": irq + softirq,
         "idle": idle + iowait,
         "steal": steal,
     }
@@ -66,16 +68,19 @@ def machine_ticks() -> dict[str, int]:
 def machine_shares(
     before: dict[str, int], after: dict[str, int], accounted_cpu_s: float, seconds: float
 ) -> dict:
-    """How the machine's cores spent a level: `busy`, `steal` (shares of all cores' wall time)
-    and `other_cpu_s`, the busy CPU-seconds that `accounted_cpu_s` (the server's process tree
-    and the load generator) does not explain: another process competing for the cores."""
+    """How the machine's cores spent a level: `busy`, `steal` (shares of all cores' wall time),
+    `interrupts_cpu_s` and `other_cpu_s`, the busy CPU-seconds that neither interrupts nor
+    `accounted_cpu_s` (the server's process tree and the load generator) explain: another
+    process competing for the cores."""
     tick = os.sysconf("SC_CLK_TCK")
     capacity = seconds * (os.cpu_count() or 1)
     busy = (after["busy"] - before["busy"]) / tick
+    interrupts = (after["interrupts"] - before["interrupts"]) / tick
     return {
         "busy": busy / capacity if capacity else 0.0,
         "steal": (after["steal"] - before["steal"]) / tick / capacity if capacity else 0.0,
-        "other_cpu_s": max(0.0, busy - accounted_cpu_s),
+        "interrupts_cpu_s": interrupts,
+        "other_cpu_s": max(0.0, busy - interrupts - accounted_cpu_s),
     }
 
 
