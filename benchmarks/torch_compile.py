@@ -12,7 +12,9 @@ frozen as inductor's CPU path does for inference).
 - `gemm`: the layer's four projections, summed, per row count: oneDNN's packed weight (the
   engine's), `F.linear`, and MKL's packed weight for exactly that row count (what inductor's
   frozen graph calls; MKL's pack is made for one row count, other counts fall back to
-  `F.linear`).
+  `F.linear`), and, where the row count is a multiple of `MKL_CHUNK_ROWS`, those rows taken
+  `MKL_CHUNK_ROWS` at a time through one pack made for that count (how one fixed pack could
+  serve every prefill step; outputs joined as the engine would need them).
 
     python benchmarks/torch_compile.py --out benchmarks/results/torch_compile.json
 """
@@ -35,6 +37,7 @@ from actors.layers import prepack  # noqa: E402
 
 BLOCK_ROWS = (16, 64, 512, 2048)
 GEMM_ROWS = (128, 256, 512, 1024, 2048)
+MKL_CHUNK_ROWS = 256
 
 
 def best_ms(fn, reps: int) -> float:
@@ -118,13 +121,21 @@ def gemm(config: ModelConfig, reps: int) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     weights = [torch.randn(n, k, generator=g) * k**-0.5 for n, k in shapes]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    chunk_packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_CHUNK_ROWS) for w in weights]
+
+    def in_chunks(x: torch.Tensor, w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        parts = x.split(MKL_CHUNK_ROWS)
+        return torch.cat([torch.ops.mkl._mkl_linear(c, m, w, None, MKL_CHUNK_ROWS) for c in parts])
+
     out = []
     for rows in GEMM_ROWS:
         xs = [torch.randn(rows, w.shape[1], generator=g) for w in weights]
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
         n = max(3, reps // (rows // 128))
         ms = {"onednn_packed": 0.0, "f_linear": 0.0, "mkl_packed": 0.0}
-        for x, w, p, m in zip(xs, weights, onednn, mkl, strict=True):
+        if rows % MKL_CHUNK_ROWS == 0:
+            ms[f"mkl_packed_{MKL_CHUNK_ROWS}_row_chunks"] = 0.0
+        for x, w, p, m, c in zip(xs, weights, onednn, mkl, chunk_packs, strict=True):
             ms["onednn_packed"] += best_ms(
                 lambda x=x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), n
             )
@@ -132,6 +143,10 @@ def gemm(config: ModelConfig, reps: int) -> list[dict]:
             ms["mkl_packed"] += best_ms(
                 lambda x=x, w=w, m=m, b=rows: torch.ops.mkl._mkl_linear(x, m, w, None, b), n
             )
+            if rows % MKL_CHUNK_ROWS == 0:
+                ms[f"mkl_packed_{MKL_CHUNK_ROWS}_row_chunks"] += best_ms(
+                    lambda x=x, w=w, c=c: in_chunks(x, w, c), n
+                )
         flops = 2 * rows * sum(n_ * k for n_, k in shapes)
         out.append(
             {
