@@ -278,6 +278,29 @@ def test_fused_small_ops_match_the_torch_modules(dtype):
     torch.testing.assert_close(got, F.silu(gate) * up, **tolerance)
 
 
+def test_bf16_rounding_in_the_fused_ops_is_torchs_for_every_value():
+    # The kernels round fp32 to bf16 with their own vectorized code: ties to even, overflow to
+    # inf and NaN must come out as torch's own rounding gives them.
+    assert kernels.available()  # loads the operators
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(4, 576, generator=g) * 1e3).bfloat16()
+    residual = torch.randn(4, 576, generator=g).bfloat16()
+    specials = [float("nan"), float("inf"), -float("inf"), 3.3e38, -3.3e38, 1e-40]
+    x[0, : len(specials)] = torch.tensor(specials)
+    residual[0, : len(specials)] = torch.tensor([1.0, 1.0, 1.0, 3.3e38, -3.3e38, 1e-40])
+    # Sums halfway between two bf16 values (spacing 2^-7 at 1.0): one rounds down to even, one up.
+    x[1, :2] = torch.tensor([1.0, 1.0 + 2.0**-7])
+    residual[1, :2] = 2.0**-8
+    want = (x.float() + residual.float()).bfloat16()
+    got_x, got_residual = x.clone(), residual.clone()
+    torch.ops.serve_app.fused_add_rms_norm(got_x, got_residual, torch.ones(576).bfloat16(), 1e-5)
+    nan = want.isnan()
+    assert torch.equal(got_residual.isnan(), nan)  # a NaN's payload bits are not a value
+    same_bits = got_residual.view(torch.int16)[~nan] == want.view(torch.int16)[~nan]
+    assert bool(same_bits.all())  # bit for bit, ties, overflow and subnormals included
+    assert got_residual[0, 3].isinf()
+
+
 def test_the_model_uses_the_fused_ops_and_generates_what_the_torch_path_does(
     model_dirs, monkeypatch
 ):
