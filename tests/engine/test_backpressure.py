@@ -149,10 +149,13 @@ def test_the_window_holds_while_the_event_loop_lags_then_streams_on_unchanged(ll
         await wait_for(lambda: engine.stats()["held"] == 1)
         # The step thread holds before it posts the output that filled the window: wait for
         # the window to arrive (a loaded machine may take a while), then for anything more.
-        await wait_for(lambda: engine.stats()["unread_outputs"] >= 4)
+        # It counts what the reader had taken when it posted: on a loaded machine it can post
+        # the 4th output before the loop hands the reader its 1st, and then holds with 3
+        # waiting once the reader has that one. Never more than the window.
+        await wait_for(lambda: engine.stats()["unread_outputs"] >= 3)
         await asyncio.sleep(0.3)
         unread = engine.stats()["unread_outputs"]
-        assert unread == 4, unread  # the window, exactly: nothing ran past it
+        assert unread in (3, 4), unread  # nothing ran past the window
         await collect(gen, outs)
         assert token_ids(outs) == reference
         assert outs[-1].deltas[-1].finish_reason is FinishReason.LENGTH
