@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "vec_math.h"
 
@@ -28,32 +27,6 @@ namespace {
 
 // Rows per task: small batches stay on one thread (a fork costs more than the work).
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / row_elems); }
-
-// Storage dtype <-> fp32 inside the loops below. c10's bf16 rounding branches on NaN, which
-// keeps GCC from vectorizing a loop that calls it (bf16 ran 9-14x slower than fp32 here); the
-// bf16 pair gives the same bits (round to nearest even, any NaN to 0x7FC0) as selects.
-template <typename T>
-inline float widen(T v) {
-  return static_cast<float>(v);
-}
-template <typename T>
-inline T narrow(float f) {
-  return static_cast<T>(f);
-}
-template <>
-inline float widen(c10::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <>
-inline c10::BFloat16 narrow(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  const auto rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  return c10::BFloat16(std::isnan(f) ? uint16_t{0x7FC0} : rounded, c10::BFloat16::from_bits());
-}
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be (rows, hidden) with unit stride");

@@ -43,7 +43,7 @@ inline f16v load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&v, p, sizeof(v));
   } else {
-    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+    for (int i = 0; i < 16; ++i) v[i] = widen(p[i]);
   }
   return v;
 }
@@ -68,7 +68,7 @@ inline float dot(const float* q, const T* k, int64_t d) {
     return sum_lanes(dot_lanes<D>(q, k));
   } else {
     float acc = 0.0f;
-    for (int64_t j = 0; j < d; ++j) acc += q[j] * static_cast<float>(k[j]);
+    for (int64_t j = 0; j < d; ++j) acc += q[j] * widen(k[j]);
     return acc;
   }
 }
@@ -160,7 +160,7 @@ inline void accumulate_heads(float* acc, const float* p, int64_t ps, const T* v,
     for (int64_t g = 0; g < heads; ++g)
       for (int64_t u = 0; u < rows; ++u)
         for (int64_t j = 0; j < d; ++j)
-          acc[g * d + j] += p[g * ps + u] * static_cast<float>(v[u * d + j]);
+          acc[g * d + j] += p[g * ps + u] * widen(v[u * d + j]);
   }
 }
 
@@ -271,7 +271,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       const int64_t n = ctx - first;
       const int32_t* table = tables + static_cast<int64_t>(seq_of[r]) * max_blocks;
       for (int64_t i = 0; i < group * d; ++i)
-        qf[i] = static_cast<float>(qp[(r * heads + h * group) * d + i]) * fscale;
+        qf[i] = widen(qp[(r * heads + h * group) * d + i]) * fscale;
       scores.resize(group * n);
       // Block by block: a block's rows for one head are contiguous and stay in L1 while
       // each query head of the group reads them.
@@ -313,7 +313,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       T* o = op + (r * heads + h * group) * d;
       for (int64_t g = 0; g < group; ++g) {
         const float inv = 1.0f / total[g];
-        for (int64_t j = 0; j < d; ++j) o[g * d + j] = static_cast<T>(acc[g * d + j] * inv);
+        for (int64_t j = 0; j < d; ++j) o[g * d + j] = narrow<T>(acc[g * d + j] * inv);
       }
     }
   });
