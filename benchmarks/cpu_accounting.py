@@ -53,14 +53,13 @@ def live_pids(pids: set[int]) -> set[int]:
 def machine_ticks() -> dict[str, int]:
     """This machine's CPU time so far, all cores, in clock ticks from /proc/stat: `busy`
     (user, nice, system, irq, softirq), `interrupts` (irq and softirq: work such as loopback
-    TCP that no process's own CPU time includes), `idle` (with iowait) and `steal` (a
-    runnable vCPU the hypervisor gave to another guest)."""
+    TCP that no process's own CPU time includes) and `steal` (a runnable vCPU the hypervisor
+    gave to another guest)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
     return {
         "busy": user + nice + system + irq + softirq,
         "interrupts": irq + softirq,
-        "idle": idle + iowait,
         "steal": steal,
     }
 

@@ -133,8 +133,9 @@ def gemm(config: ModelConfig, reps: int) -> list[dict]:
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
         n = max(3, reps // (rows // 128))
         ms = {"onednn_packed": 0.0, "f_linear": 0.0, "mkl_packed": 0.0}
-        if rows % MKL_CHUNK_ROWS == 0:
-            ms[f"mkl_packed_{MKL_CHUNK_ROWS}_row_chunks"] = 0.0
+        chunked = f"mkl_packed_{MKL_CHUNK_ROWS}_row_chunks" if rows % MKL_CHUNK_ROWS == 0 else None
+        if chunked:
+            ms[chunked] = 0.0
         for x, w, p, m, c in zip(xs, weights, onednn, mkl, chunk_packs, strict=True):
             ms["onednn_packed"] += best_ms(
                 lambda x=x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), n
@@ -143,10 +144,8 @@ def gemm(config: ModelConfig, reps: int) -> list[dict]:
             ms["mkl_packed"] += best_ms(
                 lambda x=x, w=w, m=m, b=rows: torch.ops.mkl._mkl_linear(x, m, w, None, b), n
             )
-            if rows % MKL_CHUNK_ROWS == 0:
-                ms[f"mkl_packed_{MKL_CHUNK_ROWS}_row_chunks"] += best_ms(
-                    lambda x=x, w=w, c=c: in_chunks(x, w, c), n
-                )
+            if chunked:
+                ms[chunked] += best_ms(lambda x=x, w=w, c=c: in_chunks(x, w, c), n)
         flops = 2 * rows * sum(n_ * k for n_, k in shapes)
         out.append(
             {
