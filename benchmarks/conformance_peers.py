@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_peer  # noqa: E402
 from common import DEFAULT_MODEL, free_port, resolve_model, venv_tool, write_json  # noqa: E402
-from peer import ServerProcess, start_theirs  # noqa: E402
+from peer_servers import ServerProcess, start_theirs  # noqa: E402
 
 from serve_app.conformance.cases import select  # noqa: E402
 from serve_app.conformance.diff import diff_records  # noqa: E402
