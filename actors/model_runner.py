@@ -28,8 +28,8 @@ from actors.messages import (
 from actors.models.loader import build_model
 from actors.parallel_state import get_tp_group
 from actors.platform import (
-    cpu_masked_argmax,
     cpu_prefill_attention,
+    cpu_sampler_kernels,
     inplace_decode_attention,
     kv_cache_budget_bytes,
     persistent_decode_gather,
@@ -96,7 +96,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.head_offsets = torch.zeros(0, dtype=torch.long)
         self.sampler = Sampler(
-            model_config.vocab_size, model_config.eos_token_ids, seed, cpu_masked_argmax()
+            model_config.vocab_size, model_config.eos_token_ids, seed, cpu_sampler_kernels()
         )
         self.states: dict[str, SeqSamplingState] = {}
         self._pending: _Pending | None = None

@@ -119,13 +119,15 @@ def fused_cpu_ops(device: torch.device) -> bool:
     return kernels.available()
 
 
-def cpu_masked_argmax() -> bool:
-    """A constrained row whose winner its grammar forbids is re-picked by the engine's own CPU
-    kernel (`masked_argmax` in actors/csrc/fused_ops.cpp: the largest allowed score in one
-    read of the row) instead of an in-place mask, an argmax and an all-masked check, and
-    rows that need the masked distribution are masked by its `apply_bitmask`, unless
-    `SERVE_APP_CPU_FUSED_OPS=0` or the kernels cannot be built here (then torch unpacks the
-    bits). The sampler works on CPU tensors whatever the model's device."""
+def cpu_sampler_kernels() -> bool:
+    """The sampler's own CPU kernels (actors/csrc/fused_ops.cpp): a greedy batch's argmax in
+    one vectorized read of each row (`argmax_rows`; aten's is a scalar loop over bf16 logits,
+    2.6 ms a step at 16 rows of a 49k vocabulary); a constrained row whose winner its grammar
+    forbids re-picked by `masked_argmax` (the largest allowed score in one read of the row)
+    instead of an in-place mask, an argmax and an all-masked check; rows that need the masked
+    distribution masked by `apply_bitmask`. Unless `SERVE_APP_CPU_FUSED_OPS=0` or the kernels
+    cannot be built here (then torch's ops, and torch unpacks the bits). Each kernel runs only
+    on CPU tensors."""
     return fused_cpu_ops(torch.device("cpu"))
 
 

@@ -17,6 +17,8 @@ from actors.messages import TokenLogprobs
 from actors.sampling_params import SamplingParams
 
 NO_TOKEN = -1  # every token was masked out: the constraint admits nothing more
+# What `serve_app::argmax_rows` reads.
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -33,16 +35,17 @@ class Sampler:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         seed: int = 0,
-        mask_kernel: bool = False,
+        cpu_kernels: bool = False,
     ):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
-        # A forbidden winner's row re-picked by the engine's CPU kernel in one read of the row
-        # (`serve_app::masked_argmax`) instead of masking it in place, then argmax, then the
-        # all-masked check; rows that need the masked distribution masked by its
-        # `apply_bitmask` instead of torch's unpacking (platform.cpu_masked_argmax).
-        self.mask_kernel = mask_kernel
+        # The engine's CPU kernels (platform.cpu_sampler_kernels): a greedy batch's argmax in
+        # one vectorized read of each row (`serve_app::argmax_rows`, torch.argmax's answer);
+        # a forbidden winner's row re-picked in one read of the row (`masked_argmax`) instead
+        # of masking it in place, then argmax, then the all-masked check; rows that need the
+        # masked distribution masked by `apply_bitmask` instead of torch's unpacking.
+        self.cpu_kernels = cpu_kernels
 
     def __call__(
         self,
@@ -57,7 +60,7 @@ class Sampler:
         if _plain_greedy(states, bitmask_rows if bitmask is not None else None):
             # Nothing to mask, penalise or report: the argmax of the logits as they are (no
             # fp32 copy of a batch x vocab tensor, no all-masked check).
-            token_list = logits.argmax(dim=-1).tolist()
+            token_list = self._argmax(logits).tolist()
             for t, s in zip(token_list, states, strict=True):
                 s.output_token_ids.append(t)
             return token_list, None
@@ -73,10 +76,10 @@ class Sampler:
         filtered = [r for r in masked if states[r].params.needs_top_filter]
         dead = []
         if filtered:
-            _apply_mask(logits, bitmask, filtered, self.mask_kernel)
+            _apply_mask(logits, bitmask, filtered, self.cpu_kernels)
             dead = _all_masked(logits, filtered)
         scores = self._scores(logits, states)
-        tokens = scores.argmax(dim=-1)
+        tokens = self._argmax(scores)
         # The other constrained rows keep the unmasked winner when their grammar allows it:
         # masking only lowers other tokens' scores to -inf, so the masked winner (with the
         # same noise) is the same token. Only rows whose winner is forbidden are masked.
@@ -86,12 +89,12 @@ class Sampler:
             words = bitmask[late].gather(1, (winners >> 5).unsqueeze(1)).squeeze(1)
             allowed = ((words >> (winners & 31).to(torch.int32)) & 1).bool()
             refill = [r for r, ok in zip(late, allowed.tolist(), strict=True) if not ok]
-            if refill and self.mask_kernel and scores.is_cpu and bitmask.is_cpu:
+            if refill and self.cpu_kernels and scores.is_cpu and bitmask.is_cpu:
                 picked = torch.ops.serve_app.masked_argmax(scores, bitmask, torch.tensor(refill))
                 tokens[refill] = picked
                 dead += [r for r, t in zip(refill, picked.tolist(), strict=True) if t < 0]
             elif refill:
-                _apply_mask(scores, bitmask, refill, self.mask_kernel)
+                _apply_mask(scores, bitmask, refill, self.cpu_kernels)
                 tokens[refill] = scores[refill].argmax(dim=-1)
                 dead += _all_masked(scores, refill)
         # The constraint admits nothing more.
@@ -127,7 +130,7 @@ class Sampler:
         self._apply_penalties(logits, states)
         self._ban_stops_before_min_tokens(logits, states)
         if bitmask is not None and bitmask_rows:
-            _apply_mask(logits, bitmask, bitmask_rows, self.mask_kernel)
+            _apply_mask(logits, bitmask, bitmask_rows, self.cpu_kernels)
         return _filtered_probs(logits, states), raw
 
     def _apply_penalties(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> None:
@@ -158,6 +161,19 @@ class Sampler:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
+
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax over each row, through `argmax_rows` where it can take the tensor."""
+        if (
+            self.cpu_kernels
+            and x.is_cpu
+            and x.dtype in _ARGMAX_DTYPES
+            and x.dim() == 2
+            and x.shape[1] > 0
+            and x.stride(1) == 1
+        ):
+            return torch.ops.serve_app.argmax_rows(x)
+        return x.argmax(dim=-1)
 
     def _scores(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         """Per row, the scores whose argmax is its token: the logits of a greedy row; p / E

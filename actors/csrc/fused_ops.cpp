@@ -5,6 +5,8 @@
 //   fused_add_rms_norm  residual += x; x = residual / rms(residual) * weight (in place)
 //   rotary_embedding    q, k rotated in place at their positions (neox halves)
 //   silu_and_mul        out = silu(gate) * up, for x = [gate | up]
+//   argmax_rows         per row, torch.argmax's index: the first of the largest value, or
+//                       the first NaN where there is one
 //   masked_argmax       per listed row, the first index of the largest score among the
 //                       tokens a grammar bitmask allows (-1 where none scores above -inf)
 //
@@ -201,6 +203,65 @@ void check_bitmask_args(const at::Tensor& scores, const at::Tensor& bitmask,
                 "row ", rp[i], " is outside scores or bitmask");
 }
 
+// Values per block of argmax_row's search pass: one block is compared at once, then its
+// lanes are searched only if one of them holds the value sought.
+constexpr int64_t kSearchBlock = 64;
+
+// The first index in s[0, n) holding `want` (a NaN where `want` is NaN), or n.
+template <typename T>
+int64_t first_equal(const T* s, int64_t n, float want) {
+  const bool nan = want != want;
+  for (int64_t b = 0; b < n; b += kSearchBlock) {
+    const int64_t e = std::min(n, b + kSearchBlock);
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t i = b; i < e; ++i) {
+      const float x = widen(s[i]);
+      hit |= nan ? x != x : x == want;
+    }
+    if (hit)
+      for (int64_t i = b; i < e; ++i) {
+        const float x = widen(s[i]);
+        if (nan ? x != x : x == want) return i;
+      }
+  }
+  return n;
+}
+
+// torch.argmax over one row: a vectorized pass for the largest value (and whether any value is
+// NaN, which torch ranks above every number), then the first index holding it.
+template <typename T>
+int64_t argmax_row(const T* s, int64_t n) {
+  float top = -INFINITY;
+  int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = widen(s[i]);
+    top = x > top ? x : top;  // not std::max: see max_of
+    nan |= x != x;
+  }
+  const int64_t at = first_equal(s, n, nan ? NAN : top);
+  return at < n ? at : 0;  // only an all -inf row finds -inf at 0 anyway
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
+              "x must be (rows, n) with n > 0 and unit stride along n");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                  x.scalar_type() == at::kHalf,
+              "argmax_rows takes float32, bfloat16 or float16");
+  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) op[i] = argmax_row(xp + i * ld, n);
+    });
+  });
+  return out;
+}
+
 // A grammar bitmask row: bit (j & 31) of word j >> 5 set where token j is allowed.
 // torch.argmax's answer on the row with every forbidden token set to -inf (the first index
 // of the largest value), in one read of the row: each word's 32 scores are reduced to the
@@ -306,6 +367,7 @@ TORCH_LIBRARY_FRAGMENT(serve_app, m) {
       "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) "
       "-> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("masked_argmax(Tensor scores, Tensor bitmask, Tensor rows) -> Tensor");
   m.def("apply_bitmask(Tensor(a!) scores, Tensor bitmask, Tensor rows) -> ()");
 }
@@ -315,6 +377,7 @@ TORCH_LIBRARY_IMPL(serve_app, CPU, m) {
   m.impl("fused_add_rms_norm", fused_add_rms_norm);
   m.impl("rotary_embedding", rotary_embedding);
   m.impl("silu_and_mul", silu_and_mul);
+  m.impl("argmax_rows", argmax_rows);
   m.impl("masked_argmax", masked_argmax);
   m.impl("apply_bitmask", apply_bitmask);
 }

@@ -35,7 +35,7 @@ def test_the_project_builds_its_kernels_on_this_machine():
     assert platform.inplace_decode_attention(torch.device("cpu"))
     assert platform.cpu_prefill_attention(torch.device("cpu"))
     assert platform.fused_cpu_ops(torch.device("cpu"))
-    assert platform.cpu_masked_argmax()
+    assert platform.cpu_sampler_kernels()
     assert platform.use_panel_linear(torch.device("cpu"), torch.float32)
 
 
@@ -233,7 +233,7 @@ def test_cuda_keeps_torchs_ops_and_the_cpu_kernels_can_be_switched_off(monkeypat
     assert platform.inplace_decode_attention(cpu) is False
     assert platform.cpu_prefill_attention(cpu) is False
     assert platform.fused_cpu_ops(cpu) is False
-    assert platform.cpu_masked_argmax() is False
+    assert platform.cpu_sampler_kernels() is False
 
 
 def _fused_and_reference(module, *args):
@@ -404,6 +404,35 @@ def test_masked_argmax_reads_rows_in_place_and_tokens_past_the_bitmask_stay_allo
     torch.ops.serve_app.apply_bitmask(view, bitmask[:3], torch.tensor([0, 1, 2]))
     assert torch.equal(scores[1::2], before[1::2]) and torch.equal(scores[:, 96:], before[:, 96:])
     assert torch.isneginf(scores[::2, :96]).sum() == 3 * 96 - 1 and scores[2, 4] == 50.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [49152, 49155, 70, 1])
+def test_argmax_rows_is_torchs_argmax(dtype, vocab):
+    assert kernels.available()
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab + 3, generator=g).to(dtype)[:, :vocab]  # rows of a wider tensor
+    x[1] = torch.randint(0, 3, (vocab,), generator=g).to(dtype)  # many ties: the first wins
+    x[2] = float("-inf")
+    x[3, vocab // 2] = float("nan")  # torch ranks NaN above every number...
+    x[4, vocab - 1] = float("nan")
+    x[4, 0] = float("inf")  # ...and above inf
+    x[5, vocab // 3] = float("inf")
+    x[5, vocab // 2] = float("inf")
+    x[6] = 7.0  # a constant row
+    got = torch.ops.serve_app.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+
+
+def test_argmax_rows_refuses_what_it_does_not_take():
+    assert kernels.available()
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        torch.ops.serve_app.argmax_rows(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="unit stride"):
+        torch.ops.serve_app.argmax_rows(torch.randn(8, 2).t())
+    with pytest.raises(RuntimeError, match="n > 0"):
+        torch.ops.serve_app.argmax_rows(torch.randn(2, 0))
 
 
 def test_the_grammar_ops_refuse_what_they_do_not_take():

@@ -97,6 +97,30 @@ def test_greedy_rows_take_argmax_while_random_rows_sample() -> None:
     assert len(states[0].output_token_ids) == 40
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", ["greedy", "mixed"])
+def test_the_cpu_kernels_draw_what_torchs_ops_draw(dtype, batch) -> None:
+    assert kernels.available()
+    vocab = 49152
+
+    def states() -> list[SeqSamplingState]:
+        if batch == "greedy":
+            return [make_state(temperature=0.0) for _ in range(6)]
+        return [make_state(temperature=0.0), make_state(seed=5, temperature=0.9, top_p=0.9)] + [
+            make_state(temperature=1.0) for _ in range(2)
+        ]
+
+    ours, ours_states = Sampler(vocab, EOS_IDS, seed=2, cpu_kernels=True), states()
+    torchs, torchs_states = Sampler(vocab, EOS_IDS, seed=2), states()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(8):
+        logits = torch.randn(len(ours_states), vocab, generator=g).to(dtype)
+        logits[0, 10:20] = logits[0].max() + 1  # a tie: the first index wins on both
+        got, _ = ours(logits, ours_states)
+        assert got == torchs(logits, torchs_states)[0]
+        assert got[0] == 10
+
+
 def _seeded_run(seed: int, position: int, mates: list[SeqSamplingState], noise: int) -> list[int]:
     """50 draws for a seeded row at `position` among `mates`; its logits are fixed per step."""
     sampler = Sampler(VOCAB, EOS_IDS, seed=noise)
@@ -304,7 +328,7 @@ def mask_sampler(vocab: int, mask_kernel: bool, seed: int = 0) -> Sampler:
     engine's `masked_argmax` kernel (built by `make kernels`, so present wherever tests run)."""
     if mask_kernel:
         assert kernels.available()
-    return Sampler(vocab, EOS_IDS, seed=seed, mask_kernel=mask_kernel)
+    return Sampler(vocab, EOS_IDS, seed=seed, cpu_kernels=mask_kernel)
 
 
 @MASK_PATHS
