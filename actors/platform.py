@@ -57,22 +57,28 @@ def use_prepacked_linear(device: torch.device) -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-# Rows up to which a CPU fp32 linear layer runs the engine's panel kernel instead of oneDNN
-# (actors/layers/prepack.py): decode batch sizes, where the layer is a read of its weight.
-PANEL_LINEAR_MAX_ROWS = 128
+# Rows up to which a CPU linear layer runs the engine's panel kernel instead of oneDNN
+# (actors/layers/prepack.py), by dtype: decode batch sizes, where the layer is a read of its
+# weight. bf16 only to 4: the kernel's bf16 dot product keeps it compute-bound past a few rows,
+# where oneDNN has AMX (a bf16 decode of the trained model, 1 thread: 1.22x oneDNN's tokens/s
+# at 1 row, 1.11x at 4, 0.78x at 8).
+PANEL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 4}
 
 
 def use_panel_linear(device: torch.device, dtype: torch.dtype) -> bool:
-    """fp32 CPU linear layers at up to `PANEL_LINEAR_MAX_ROWS` rows through the engine's
-    panel kernel (actors/csrc/panel_linear.cpp), unless `SERVE_APP_CPU_PANEL_LINEAR=0` or the
-    kernels cannot be built here. CUDA keeps cuBLAS; bf16 keeps oneDNN."""
-    if device.type != "cpu" or dtype != torch.float32:
+    """CPU linear layers at up to `PANEL_LINEAR_MAX_ROWS[dtype]` rows through the engine's
+    panel kernel (actors/csrc/panel_linear.cpp): fp32, and bf16 where the CPU has AVX512-BF16
+    (the kernel's bf16 dot product; elsewhere bf16 keeps oneDNN), unless
+    `SERVE_APP_CPU_PANEL_LINEAR=0` or the kernels cannot be built here. CUDA keeps cuBLAS."""
+    if device.type != "cpu" or dtype not in PANEL_LINEAR_MAX_ROWS:
         return False
     if os.environ.get("SERVE_APP_CPU_PANEL_LINEAR", "1") == "0":
         return False
     from actors.layers import kernels
 
-    return kernels.available()
+    if not kernels.available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.serve_app.panel_linear_bf16())
 
 
 def persistent_decode_gather(device: torch.device) -> bool:

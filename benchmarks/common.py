@@ -193,11 +193,11 @@ def kernel_bench_model(name: str, threads: int):
     return model, ModelConfig.from_pretrained(model.path, dtype=torch.float32)
 
 
-def run_header(model: Model) -> dict:
+def run_header(model: Model, dtype: str = "float32") -> dict:
     """What every in-process benchmark's JSON starts with: the checkpoint, dtype and threads."""
     import torch
 
-    return {"checkpoint": model.label, "dtype": "float32", "threads": torch.get_num_threads()}
+    return {"checkpoint": model.label, "dtype": dtype, "threads": torch.get_num_threads()}
 
 
 def write_json(result: dict, out: str | None) -> None:

@@ -1,6 +1,7 @@
 """The panel kernel for linear layers at a few rows, against oneDNN's packed inner product.
 
-Two measurements, both fp32 and in one process:
+Two measurements in one process, in fp32 or (`--dtype bfloat16`, CPUs with AVX512-BF16)
+bf16:
 
 - `kernel`: the model's own projection shapes (QKV, O, gate-up, down), as many copies as make
   `--weight-mib` of distinct weights, so that each is read from memory as in a decode step
@@ -12,6 +13,8 @@ Two measurements, both fp32 and in one process:
   64 mixed requests. Each phase's median over the rounds; every run kept.
 
     python benchmarks/panel_linear.py --rounds 3 --out benchmarks/results/panel_linear.json
+    python benchmarks/panel_linear.py --dtype bfloat16 \
+        --out benchmarks/results/panel_linear_bf16.json
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from common import (  # noqa: E402
 from actors import LLM, SamplingParams  # noqa: E402
 from actors.config import ModelConfig  # noqa: E402
 from actors.layers import prepack  # noqa: E402
-from actors.platform import PANEL_LINEAR_MAX_ROWS  # noqa: E402
+from actors.platform import PANEL_LINEAR_MAX_ROWS, use_panel_linear  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # (name, sequences, prompt tokens, output tokens): decode phases at a fixed batch, then the
@@ -59,20 +62,20 @@ def projection_shapes(path: str) -> list[tuple[int, int]]:
     ]
 
 
-def kernel(path: str, weight_mib: int, reps: int) -> dict:
+def kernel(path: str, weight_mib: int, reps: int, dtype: torch.dtype) -> dict:
     shapes = projection_shapes(path)
-    per_set = sum(n * k * 4 for n, k in shapes)
+    per_set = sum(n * k * dtype.itemsize for n, k in shapes)
     sets = max(1, weight_mib * 2**20 // per_set)
     g = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(sets):
         for n, k in shapes:
-            w = torch.randn(n, k, generator=g) * 0.05
+            w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
             layers.append((torch.ops.mkldnn._reorder_linear_weight(w), prepack._panels(w), w))
     weight_bytes = sets * per_set
 
     def best(rows: int, panels: bool) -> float:
-        xs = {k: torch.randn(rows, k, generator=g) for _, k in shapes}
+        xs = {k: torch.randn(rows, k, generator=g).to(dtype) for _, k in shapes}
         seconds = []
         for _ in range(reps):
             with Timer() as t:
@@ -103,7 +106,7 @@ def kernel(path: str, weight_mib: int, reps: int) -> dict:
     return {"weight_mib": round(weight_bytes / 2**20), "projections": len(layers), "rows": out}
 
 
-def engine(path: str, rounds: int, vocab: int) -> dict:
+def engine(path: str, rounds: int, vocab: int, dtype: torch.dtype) -> dict:
     phases = {
         name: mixed_requests(n, vocab, (plen, plen), (out, out), seed=500 + i)
         for i, (name, n, plen, out) in enumerate(PHASES)
@@ -112,7 +115,7 @@ def engine(path: str, rounds: int, vocab: int) -> dict:
 
     with LLM(
         model=path,
-        dtype="float32",
+        dtype=str(dtype).removeprefix("torch."),
         max_model_len=2048,
         kv_cache_bytes=2 * 1024**3,
         enable_prefix_caching=False,  # every run prefills its prompts
@@ -121,7 +124,8 @@ def engine(path: str, rounds: int, vocab: int) -> dict:
         llm.generate([p for p, _ in phases["decode_b4"]], SamplingParams(max_tokens=8))
 
         def switch(side: str) -> None:
-            prepack.PANEL_LINEAR_MAX_ROWS = PANEL_LINEAR_MAX_ROWS if side == "panels" else 0
+            off = {**PANEL_LINEAR_MAX_ROWS, dtype: 0}
+            prepack.PANEL_LINEAR_MAX_ROWS = PANEL_LINEAR_MAX_ROWS if side == "panels" else off
 
         try:
             out, same_tokens = ab_generate(
@@ -149,15 +153,19 @@ def main() -> None:
     parser.add_argument("--weight-mib", type=int, default=512)
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, config = kernel_bench_model(args.model, args.threads)
-    result = run_header(model)
-    result["panel_rows"] = f"<= {PANEL_LINEAR_MAX_ROWS}"
-    result["kernel"] = kernel(model.path, args.weight_mib, args.reps)
+    dtype = getattr(torch, args.dtype)
+    if not use_panel_linear(torch.device("cpu"), dtype):
+        raise SystemExit(f"no panel kernel for {args.dtype} here (bf16 needs AVX512-BF16)")
+    result = run_header(model, args.dtype)
+    result["panel_rows"] = f"<= {PANEL_LINEAR_MAX_ROWS[dtype]}"
+    result["kernel"] = kernel(model.path, args.weight_mib, args.reps, dtype)
     if not args.skip_engine:
         result["rounds"] = args.rounds
-        result["engine"] = engine(model.path, args.rounds, config.vocab_size)
+        result["engine"] = engine(model.path, args.rounds, config.vocab_size, dtype)
     write_json(result, args.out)
 
 

@@ -9,12 +9,13 @@ checkpoint is loaded; a weight that belongs to one linear layer is replaced by i
 form (same logical shape, no second copy), a weight shared with the embedding (tied LM head)
 keeps its dense form and gains a packed copy.
 
-In fp32, each layer also gets its weight in 32-output panels for the engine's own kernel
-(actors/csrc/panel_linear.cpp), which takes calls of up to `PANEL_LINEAR_MAX_ROWS` rows: at
-decode batch sizes a layer is a read of its weight, and the kernel reads it front to back
-with the loads prefetched ahead, where oneDNN's inner product leaves the core waiting on
-memory. That is a second copy of every linear weight (the panels for small calls, oneDNN's
-layout for prefill); `SERVE_APP_CPU_PANEL_LINEAR=0` keeps one.
+In fp32 (and bf16 on CPUs with AVX512-BF16), each layer also gets its weight in 32-output
+panels for the engine's own kernel (actors/csrc/panel_linear.cpp), which takes calls of up to
+`PANEL_LINEAR_MAX_ROWS[dtype]` rows: at decode batch sizes a layer is a read of its weight,
+and the kernel reads it front to back with the loads prefetched ahead, where oneDNN's inner
+product leaves the core waiting on memory. That is a second copy of every linear weight (the
+panels for small calls, oneDNN's layout for prefill); `SERVE_APP_CPU_PANEL_LINEAR=0` keeps
+one.
 
 Each packed form is checked against `F.linear` on a random input before it is used; any
 failure (op missing from a torch build, a dtype the CPU cannot do) keeps the previous path
@@ -47,7 +48,7 @@ def linear(
 ) -> torch.Tensor:
     """y = x W^T (+ b): a few rows through the layer's panels, more through its packed
     weight, each where the layer has one."""
-    if panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_LINEAR_MAX_ROWS:
+    if panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_LINEAR_MAX_ROWS[x.dtype]:
         return torch.ops.serve_app.panel_linear(x, panels, weight.shape[0], bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -501,5 +501,51 @@ def test_panel_linear_refuses_what_it_does_not_take():
         torch.ops.serve_app.panel_linear(torch.randn(8, 2).t(), panels, 40)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.serve_app.panel_linear(torch.randn(2, 8), panels, 40, torch.randn(39))
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.serve_app.pack_panels(torch.randn(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.serve_app.pack_panels(torch.randn(4, 4, dtype=torch.float16))
+
+
+BF16_PANELS = [(1, 2), (31, 8), (32, 64), (33, 64), (70, 576), (96, 1536)]
+
+
+@pytest.mark.parametrize("n,k", BF16_PANELS)
+def test_bf16_panels_match_f_linear_or_are_refused_without_the_cpus_bf16_dot(n, k):
+    assert kernels.available()
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    if not torch.ops.serve_app.panel_linear_bf16():
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            torch.ops.serve_app.pack_panels(weight)
+        return
+    bias = torch.randn(n, generator=g).bfloat16()
+    panels = torch.ops.serve_app.pack_panels(weight)
+    assert panels.shape == ((n + 31) // 32, k, 32) and panels.dtype == torch.bfloat16
+    for rows in (0, 1, 3, 4, 12, 13, 25):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        # fp32 sums of the exact products, each output rounded to bf16 once.
+        want = F.linear(x.float(), weight.float())
+        tol = dict(rtol=1e-2, atol=1e-3 * math.sqrt(k))
+        got = torch.ops.serve_app.panel_linear(x, panels, n)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, **tol)
+        got = torch.ops.serve_app.panel_linear(x, panels, n, bias)
+        torch.testing.assert_close(got.float(), (want.bfloat16() + bias).float(), **tol)
+
+
+def test_a_bf16_panel_rows_result_does_not_depend_on_the_other_rows():
+    assert kernels.available()
+    if not torch.ops.serve_app.panel_linear_bf16():
+        assert not platform.use_panel_linear(torch.device("cpu"), torch.bfloat16)
+        return
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(100, 96, generator=g).bfloat16()
+    panels = torch.ops.serve_app.pack_panels(weight)
+    wide = torch.randn(32, 100, generator=g).bfloat16()
+    x = wide[:, :96]  # rows of a wider tensor
+    alone = torch.ops.serve_app.panel_linear(x[:1], panels, 100)
+    for rows in range(2, 33):
+        assert torch.equal(torch.ops.serve_app.panel_linear(x[:rows], panels, 100)[:1], alone)
+    with pytest.raises(RuntimeError, match="even number"):
+        torch.ops.serve_app.pack_panels(torch.randn(40, 7).bfloat16())
+    with pytest.raises(RuntimeError, match="alike"):
+        torch.ops.serve_app.panel_linear(torch.randn(2, 96), panels, 100)

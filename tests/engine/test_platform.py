@@ -18,8 +18,13 @@ def test_cuda_keeps_torchs_kernels_and_the_cpu_path_has_its_own():
     # The CPU path is the one that takes the oneDNN packed weights and the kept gathers.
     assert platform.use_prepacked_linear(cpu) is torch.backends.mkldnn.is_available()
     assert platform.persistent_decode_gather(cpu) is True
-    # The panel kernel is fp32's: bf16 keeps oneDNN.
-    assert platform.use_panel_linear(cpu, torch.bfloat16) is False
+    assert platform.use_panel_linear(cuda, torch.bfloat16) is False
+    # bf16 panels only where the kernels' build has the CPU's bf16 dot product.
+    from actors.layers import kernels
+
+    bf16_panels = kernels.available() and torch.ops.serve_app.panel_linear_bf16()
+    assert platform.use_panel_linear(cpu, torch.bfloat16) is bf16_panels
+    assert platform.use_panel_linear(cpu, torch.float16) is False
 
 
 def test_the_cpu_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch):
@@ -28,6 +33,7 @@ def test_the_cpu_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("SERVE_APP_CPU_PANEL_LINEAR", "0")
     assert platform.use_prepacked_linear(torch.device("cpu")) is False
     assert platform.use_panel_linear(torch.device("cpu"), torch.float32) is False
+    assert platform.use_panel_linear(torch.device("cpu"), torch.bfloat16) is False
     assert platform.persistent_decode_gather(torch.device("cpu")) is False
 
 

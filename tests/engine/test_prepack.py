@@ -32,7 +32,7 @@ def _products(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
     with torch.inference_mode():
-        for rows in (5, PANEL_LINEAR_MAX_ROWS + 8):
+        for rows in (2, 5, PANEL_LINEAR_MAX_ROWS[torch.float32] + 8):
             for layer in _layers(model):
                 x = torch.randn(rows, layer.weight.shape[1], generator=g, dtype=model_dtype(model))
                 out.append(layer(x).float())
@@ -65,8 +65,10 @@ def test_packed_layers_hold_one_packed_copy_and_match_the_dense_path(
             assert layer.weight.is_mkldnn  # not tied: no dense copy is kept
         else:
             assert layer.packed_weight is None and not layer.weight.is_mkldnn
-        # fp32 layers also hold their weight in panels for calls of a few rows; bf16 ones not.
-        assert (layer.panel_weight is not None) is (dtype == torch.float32)
+        # Layers also hold their weight in panels for calls of a few rows: fp32 ones, and bf16
+        # ones where the CPU has the kernel's bf16 dot product.
+        panels = dtype == torch.float32 or torch.ops.serve_app.panel_linear_bf16()
+        assert (layer.panel_weight is not None) is panels
     _dense(monkeypatch)
     dense = _build(model_dirs("llama"), dtype)
     for layer in _layers(dense):
@@ -141,10 +143,11 @@ def test_a_few_rows_go_through_the_panels_and_more_through_onednn() -> None:
     # Panels of twice the weight: which form answered shows in the result.
     doubled = torch.ops.serve_app.pack_panels(weight * 2)
     packed = prepack._pack(weight)
-    for rows in (1, PANEL_LINEAR_MAX_ROWS, PANEL_LINEAR_MAX_ROWS + 1):
+    most = PANEL_LINEAR_MAX_ROWS[torch.float32]
+    for rows in (1, most, most + 1):
         x = torch.randn(rows, 24, generator=g)
         got = prepack.linear(x, weight, packed=packed, panels=doubled)
-        scale = 2.0 if rows <= PANEL_LINEAR_MAX_ROWS else 1.0
+        scale = 2.0 if rows <= most else 1.0
         torch.testing.assert_close(got, scale * F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
