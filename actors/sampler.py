@@ -60,7 +60,7 @@ class Sampler:
         if _plain_greedy(states, bitmask_rows if bitmask is not None else None):
             # Nothing to mask, penalise or report: the argmax of the logits as they are (no
             # fp32 copy of a batch x vocab tensor, no all-masked check).
-            token_list = self._argmax(logits).tolist()
+            token_list = self.argmax(logits).tolist()
             for t, s in zip(token_list, states, strict=True):
                 s.output_token_ids.append(t)
             return token_list, None
@@ -79,7 +79,7 @@ class Sampler:
             _apply_mask(logits, bitmask, filtered, self.cpu_kernels)
             dead = _all_masked(logits, filtered)
         scores = self._scores(logits, states)
-        tokens = self._argmax(scores)
+        tokens = self.argmax(scores)
         # The other constrained rows keep the unmasked winner when their grammar allows it:
         # masking only lowers other tokens' scores to -inf, so the masked winner (with the
         # same noise) is the same token. Only rows whose winner is forbidden are masked.
@@ -162,7 +162,7 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
 
-    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax over each row, through `argmax_rows` where it can take the tensor."""
         if (
             self.cpu_kernels

@@ -264,7 +264,8 @@ class DraftRunner:
         """Per row, the token drafted at sequence position `positions[row]`: the argmax for a
         greedy request; else a draw from q (the request's temperature and filters over the
         draft's logits), returned with q."""
-        drawn = logits.argmax(dim=-1).tolist()
+        argmax = self.runner.sampler.argmax  # the engine's CPU kernel where it takes the rows
+        drawn = argmax(logits).tolist()
         qs: list[torch.Tensor | None] = [None] * len(targets)
         rows = [r for r, t in enumerate(targets) if not t.params.is_greedy]
         if not rows:
@@ -276,7 +277,7 @@ class DraftRunner:
             if t.seed is not None:
                 position = positions[r] - len(t.prompt_token_ids)
                 noise[at].exponential_(generator=stream_generator(t.seed, DRAFT_STREAM, position))
-        winners = (q / noise).masked_fill_(q == 0, float("-inf")).argmax(dim=-1).tolist()
+        winners = argmax((q / noise).masked_fill_(q == 0, float("-inf"))).tolist()
         for at, r in enumerate(rows):
             drawn[r] = winners[at]
             qs[r] = q[at]
