@@ -59,16 +59,16 @@ def use_prepacked_linear(device: torch.device) -> bool:
 
 # Rows up to which a CPU linear layer runs the engine's panel kernel instead of oneDNN
 # (actors/layers/prepack.py), by dtype: decode batch sizes, where the layer is a read of its
-# weight. bf16 only to 4: the kernel's bf16 dot product keeps it compute-bound past a few rows,
-# where oneDNN has AMX (a bf16 decode of the trained model, 1 thread: 1.22x oneDNN's tokens/s
-# at 1 row, 1.11x at 4, 0.78x at 8).
-PANEL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 4}
+# weight. bf16 (on AMX) to 32: a bf16 decode of the trained model, 1 thread, made 1.34x / 1.31x
+# / 1.26x / 1.22x / 1.17x oneDNN's tokens/s at 1 / 4 / 8 / 16 / 32 sequences, the same at 48
+# and 0.90x at 64.
+PANEL_LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 32}
 
 
 def use_panel_linear(device: torch.device, dtype: torch.dtype) -> bool:
     """CPU linear layers at up to `PANEL_LINEAR_MAX_ROWS[dtype]` rows through the engine's
-    panel kernel (actors/csrc/panel_linear.cpp): fp32, and bf16 where the CPU has AVX512-BF16
-    (the kernel's bf16 dot product; elsewhere bf16 keeps oneDNN), unless
+    panel kernel (actors/csrc/panel_linear.cpp): fp32, and bf16 where the CPU has AMX (and
+    Linux grants its tile state; elsewhere bf16 keeps oneDNN), unless
     `SERVE_APP_CPU_PANEL_LINEAR=0` or the kernels cannot be built here. CUDA keeps cuBLAS."""
     if device.type != "cpu" or dtype not in PANEL_LINEAR_MAX_ROWS:
         return False

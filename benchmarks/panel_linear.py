@@ -1,7 +1,6 @@
 """The panel kernel for linear layers at a few rows, against oneDNN's packed inner product.
 
-Two measurements in one process, in fp32 or (`--dtype bfloat16`, CPUs with AVX512-BF16)
-bf16:
+Two measurements in one process, in fp32 or (`--dtype bfloat16`, CPUs with AMX) bf16:
 
 - `kernel`: the model's own projection shapes (QKV, O, gate-up, down), as many copies as make
   `--weight-mib` of distinct weights, so that each is read from memory as in a decode step
@@ -159,7 +158,7 @@ def main() -> None:
     model, config = kernel_bench_model(args.model, args.threads)
     dtype = getattr(torch, args.dtype)
     if not use_panel_linear(torch.device("cpu"), dtype):
-        raise SystemExit(f"no panel kernel for {args.dtype} here (bf16 needs AVX512-BF16)")
+        raise SystemExit(f"no panel kernel for {args.dtype} here (bf16 needs AMX)")
     result = run_header(model, args.dtype)
     result["panel_rows"] = f"<= {PANEL_LINEAR_MAX_ROWS[dtype]}"
     result["kernel"] = kernel(model.path, args.weight_mib, args.reps, dtype)

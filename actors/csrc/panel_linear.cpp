@@ -1,11 +1,11 @@
 // Linear layers at decode batch sizes (a few rows), for CPU fp32, and bf16 where the CPU has
-// AVX512-BF16.
+// AMX.
 //
 //   pack_panels(w)                     (N, K) -> (ceil(N / 32), K, 32): each panel holds 32
 //                                      output features, k-major, zero-padded past N (bf16:
 //                                      k in pairs, see below)
 //   panel_linear(x, panels, n, bias)   y = x W^T (+ bias) for x (rows, K), y (rows, n)
-//   panel_linear_bf16()                whether this build takes bf16
+//   panel_linear_bf16()                whether this build and CPU take bf16
 //
 // With a few rows a linear layer is a read of its weight: 2 FLOPs per row per weight read.
 // Laid out in panels, the weight is read once, front to back, each 128-byte step of a panel
@@ -22,14 +22,15 @@
 // Each output is summed over k in order, whatever the number of rows or how they are
 // grouped: a row's numbers do not depend on its batch mates.
 //
-// bf16 runs the same plan on the CPU's bf16 dot product (vdpbf16ps: per fp32 lane, two bf16
-// products added into the sum, the odd k then the even one). A panel's k step is then a pair
-// of k: for each of its 32 outputs the two weights side by side, so that one 64-byte load
-// holds 16 outputs' pairs and a row's pair of values is one 32-bit broadcast. That is half the
-// instructions of widening each weight for an fp32 FMA, which kept that version compute-bound
-// above a few rows (slower than oneDNN's AMX kernel at 16); bf16 weights are half the bytes
-// of fp32 ones, and the layer stays a read of its weight to about 16 rows. Sums are fp32, in
-// k order, each output rounded once.
+// bf16 runs on AMX: a panel's 32 outputs for up to 16 rows are two 16 x 16 fp32 tiles, fed 32
+// k at a time by a tile of the rows' values and two tiles of the panel's weights. A panel's k
+// step is then a pair of k, each output's two weights side by side (AMX's layout for its
+// second operand), 16 pairs of one tile 128 bytes apart. The tiles' loads ask for the panel's
+// bytes 8 KB ahead. Sums are fp32 and each output is rounded to bf16 once; a row's numbers
+// do not depend on its batch mates. oneDNN's bf16 inner product runs on AMX too, but leaves the
+// core waiting on memory at these sizes. Without AMX (or where Linux refuses its tile state)
+// bf16 keeps oneDNN: the CPU's bf16 dot product alone (AVX512-BF16) ran at the fp32 FMA's
+// rate here, compute-bound past 4 rows.
 //
 // Built by actors/layers/kernels.py.
 
@@ -46,8 +47,10 @@
 #include <optional>
 #include <utility>
 
-#if defined(__AVX512BF16__)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "vec_math.h"
@@ -98,57 +101,100 @@ void run_group(int rows, std::integer_sequence<int, R...>, const float* x, int64
    ...);
 }
 
-#if defined(__AVX512BF16__)
-constexpr bool kBf16 = true;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 
-// The bf16 counterpart of panel_rows: `panel` is (K / 2, 64) bf16, pair q holding, for output
-// j < 16, weights (2q, 2q + 1) at 2j and 2j + 1, and for output 16 + j at 32 + 2j and 33 + 2j.
-template <int R>
-void panel_rows_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel,
-                     int64_t K, c10::BFloat16* y, int64_t ldy, int64_t cols, const char* next,
-                     int64_t stride) {
-  constexpr int64_t kAheadPairs = 4096 / 128;  // 4 KB ahead, a pair step being 128 bytes
-  __m512 lo[R], hi[R];
-  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-  for (int64_t q = 0; q < K / 2; ++q) {
-    const c10::BFloat16* w = panel + q * 2 * kPanel;
-    __builtin_prefetch(w + kAheadPairs * 2 * kPanel, 0, 3);
-    __builtin_prefetch(w + kAheadPairs * 2 * kPanel + 32, 0, 3);
-    if (next != nullptr) __builtin_prefetch(next + q * stride, 0, 2);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
-    for (int i = 0; i < R; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, x + i * ldx + 2 * q, sizeof(pair));
-      const __m512bh xi = (__m512bh)_mm512_set1_epi32(pair);
-      lo[i] = _mm512_dpbf16_ps(lo[i], xi, w0);
-      hi[i] = _mm512_dpbf16_ps(hi[i], xi, w1);
+// Linux hands out AMX's tile state on request, once per process.
+bool amx_ready() {
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                    18 /* XFEATURE_XTILEDATA */) == 0;
+  return ready;
+}
+
+// Tiles: 0, 1 the sums; 2 the rows' values and 3, 4 the panel's pairs for a full 32 k; 5, 6, 7
+// the same for the last `tail` k (tail < 32, even).
+void configure(int m, int64_t tail) {
+  TileConfig c;
+  for (int t : {0, 1, 2}) c.rows[t] = m, c.colsb[t] = 64;
+  for (int t : {3, 4}) c.rows[t] = 16, c.colsb[t] = 64;
+  if (tail > 0) {
+    c.rows[5] = m, c.colsb[5] = static_cast<uint16_t>(tail * 2);
+    for (int t : {6, 7}) c.rows[t] = static_cast<uint8_t>(tail / 2), c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+void panel_rows_amx(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t K,
+                    c10::BFloat16* y, int64_t ldy, int m, int64_t cols) {
+  const int64_t xs = ldx * 2;  // bytes between rows of x
+  _tile_zero(0);
+  _tile_zero(1);
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const c10::BFloat16* w = panel + k * kPanel;  // pair k / 2, 64 bf16 a pair
+    // The panel's bytes 8 KB ahead: 2 KB (32 lines) for each 2 KB of pairs read.
+    const c10::BFloat16* ahead = w + 4 * 32 * kPanel;
+    for (int line = 0; line < 32; ++line) __builtin_prefetch(ahead + line * 32, 0, 3);
+    _tile_loadd(2, x + k, xs);
+    _tile_loadd(3, w, 128);
+    _tile_loadd(4, w + 32, 128);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  if (k < K) {
+    const c10::BFloat16* w = panel + k * kPanel;
+    _tile_loadd(5, x + k, xs);
+    _tile_loadd(6, w, 128);
+    _tile_loadd(7, w + 32, 128);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 5, 7);
+  }
+  float sums[16 * kPanel];
+  _tile_stored(0, sums, kPanel * 4);
+  _tile_stored(1, sums + 16, kPanel * 4);
+  for (int i = 0; i < m; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      y[i * ldy + j] = narrow<c10::BFloat16>(sums[i * kPanel + j]);
+}
+
+void amx_product(const at::Tensor& x, const at::Tensor& panels, int64_t n, at::Tensor& y) {
+  using bf16 = c10::BFloat16;
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = panels.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t groups = (M + 15) / 16;
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
+    int configured = -1;  // the thread's tiles are configured per call: oneDNN sets its own
+    for (int64_t p = begin; p < end; ++p) {
+      const bf16* panel = wp + p * K * kPanel;
+      const int64_t cols = std::min(kPanel, n - p * kPanel);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t first = M * g / groups, last = M * (g + 1) / groups;
+        const int m = static_cast<int>(last - first);
+        if (m != configured) configure(configured = m, K % 32);
+        panel_rows_amx(xp + first * ldx, ldx, panel, K, yp + first * n + p * kPanel, n, m, cols);
+      }
     }
-  }
-  for (int i = 0; i < R; ++i) {
-    float sums[kPanel];
-    _mm512_storeu_ps(sums, lo[i]);
-    _mm512_storeu_ps(sums + 16, hi[i]);
-    for (int64_t j = 0; j < cols; ++j) y[i * ldy + j] = narrow<c10::BFloat16>(sums[j]);
-  }
+    _tile_release();
+  });
 }
-
-template <int... R>
-void run_group_bf16(int rows, std::integer_sequence<int, R...>, const c10::BFloat16* x,
-                    int64_t ldx, const c10::BFloat16* panel, int64_t K, c10::BFloat16* y,
-                    int64_t ldy, int64_t cols, const char* next, int64_t stride) {
-  ((rows == R + 1 ? panel_rows_bf16<R + 1>(x, ldx, panel, K, y, ldy, cols, next, stride)
-                  : void()),
-   ...);
-}
-#else
-constexpr bool kBf16 = false;
 #endif
 
-bool panel_linear_bf16() { return kBf16; }
+bool panel_linear_bf16() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
 
 at::Tensor pack_panels_bf16(const at::Tensor& w) {
-  TORCH_CHECK(kBf16, "bf16 panels need a CPU with AVX512-BF16");
+  TORCH_CHECK(panel_linear_bf16(), "bf16 panels need a CPU with AMX (AMX-BF16)");
   const at::Tensor dense = w.contiguous();
   const int64_t N = dense.size(0), K = dense.size(1), panels = (N + kPanel - 1) / kPanel;
   TORCH_CHECK(K % 2 == 0, "bf16 panels need an even number of input features");
@@ -183,45 +229,21 @@ at::Tensor pack_panels(const at::Tensor& w) {
   return out;
 }
 
-// Runs `group(rows, x, panel, y, cols, next, stride)` for each panel and group of rows. A k
-// step of a panel is 128 bytes whatever the dtype (32 fp32 weights, or 32 pairs of bf16 ones),
-// `steps` of them per panel.
-template <typename T, typename Group>
-void over_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n, at::Tensor& y,
-                 int64_t steps, const Group& group) {
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = panels.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
-  // Rows in groups of near-equal size, at most kMaxRows each.
-  const int64_t groups = (M + kMaxRows - 1) / kMaxRows;
-  // Bytes of the next panel each group's k step asks for: the groups share it out. The last
-  // group's share may run past the next panel's end (past the tensor's, for the panel before
-  // the last): a prefetch never faults.
-  const int64_t stride = (kPanel * int64_t{sizeof(float)} + groups - 1) / groups;
-  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const T* panel = wp + p * K * kPanel;
-      const int64_t cols = std::min(kPanel, n - p * kPanel);
-      const bool ahead = groups > 1 && p + 1 < end;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t first = M * g / groups, last = M * (g + 1) / groups;
-        const char* next =
-            ahead ? reinterpret_cast<const char*>(panel + K * kPanel) + g * steps * stride
-                  : nullptr;
-        group(static_cast<int>(last - first), xp + first * ldx, panel,
-              yp + first * n + p * kPanel, cols, next, stride);
-      }
-    }
-  });
+at::Tensor add_bias(at::Tensor& y, const std::optional<at::Tensor>& bias, int64_t n) {
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == y.scalar_type(),
+                "bias must be (n,) of x's dtype");
+    y.add_(bias->view({1, n}));
+  }
+  return y;
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, K) with unit stride");
-  TORCH_CHECK(panels.scalar_type() == x.scalar_type() &&
-                  (x.scalar_type() == at::kFloat || (kBf16 && x.scalar_type() == at::kBFloat16)),
-              "panel_linear takes float32 (or bfloat16 with AVX512-BF16), x and panels alike");
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && panel_linear_bf16();
+  TORCH_CHECK(panels.scalar_type() == x.scalar_type() && (x.scalar_type() == at::kFloat || bf16),
+              "panel_linear takes float32 (or bfloat16 with AMX), x and panels alike");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
               "panels must come from pack_panels");
   TORCH_CHECK(panels.size(1) == x.size(1), "x and the weight differ in input features");
@@ -230,29 +252,37 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
-  const auto rows = std::make_integer_sequence<int, kMaxRows>{};
-  if (x.scalar_type() == at::kFloat) {
-    over_panels<float>(x, panels, n, y, K,
-                       [&](int m, const float* xr, const float* panel, float* yr, int64_t cols,
-                           const char* next, int64_t stride) {
-                         run_group(m, rows, xr, ldx, panel, K, yr, n, cols, next, stride);
-                       });
-  } else {
-#if defined(__AVX512BF16__)
-    using bf16 = c10::BFloat16;
-    over_panels<bf16>(x, panels, n, y, K / 2,
-                      [&](int m, const bf16* xr, const bf16* panel, bf16* yr, int64_t cols,
-                          const char* next, int64_t stride) {
-                        run_group_bf16(m, rows, xr, ldx, panel, K, yr, n, cols, next, stride);
-                      });
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (bf16) {
+    amx_product(x, panels, n, y);
+    return add_bias(y, bias, n);
+  }
 #endif
-  }
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type(),
-                "bias must be (n,) of x's dtype");
-    y.add_(bias->view({1, n}));
-  }
-  return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Rows in groups of near-equal size, at most kMaxRows each.
+  const int64_t groups = (M + kMaxRows - 1) / kMaxRows;
+  // Bytes of the next panel each group's k step asks for: the groups share it out. The last
+  // group's share may run past the next panel's end (past the tensor's, for the panel before
+  // the last): a prefetch never faults.
+  const int64_t stride = (kPanel * sizeof(float) + groups - 1) / groups;
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = wp + p * K * kPanel;
+      const int64_t cols = std::min(kPanel, n - p * kPanel);
+      const bool ahead = groups > 1 && p + 1 < end;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t first = M * g / groups, last = M * (g + 1) / groups;
+        const char* next =
+            ahead ? reinterpret_cast<const char*>(panel + K * kPanel) + g * K * stride : nullptr;
+        run_group(static_cast<int>(last - first), std::make_integer_sequence<int, kMaxRows>{},
+                  xp + first * ldx, ldx, panel, K, yp + first * n + p * kPanel, n, cols, next,
+                  stride);
+      }
+    }
+  });
+  return add_bias(y, bias, n);
 }
 
 }  // namespace

@@ -9,7 +9,7 @@ checkpoint is loaded; a weight that belongs to one linear layer is replaced by i
 form (same logical shape, no second copy), a weight shared with the embedding (tied LM head)
 keeps its dense form and gains a packed copy.
 
-In fp32 (and bf16 on CPUs with AVX512-BF16), each layer also gets its weight in 32-output
+In fp32 (and bf16 on CPUs with AMX), each layer also gets its weight in 32-output
 panels for the engine's own kernel (actors/csrc/panel_linear.cpp), which takes calls of up to
 `PANEL_LINEAR_MAX_ROWS[dtype]` rows: at decode batch sizes a layer is a read of its weight,
 and the kernel reads it front to back with the loads prefetched ahead, where oneDNN's inner

@@ -19,7 +19,7 @@ def test_cuda_keeps_torchs_kernels_and_the_cpu_path_has_its_own():
     assert platform.use_prepacked_linear(cpu) is torch.backends.mkldnn.is_available()
     assert platform.persistent_decode_gather(cpu) is True
     assert platform.use_panel_linear(cuda, torch.bfloat16) is False
-    # bf16 panels only where the kernels' build has the CPU's bf16 dot product.
+    # bf16 panels only where the kernels' build and the CPU have AMX.
     from actors.layers import kernels
 
     bf16_panels = kernels.available() and torch.ops.serve_app.panel_linear_bf16()

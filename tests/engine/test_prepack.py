@@ -66,7 +66,7 @@ def test_packed_layers_hold_one_packed_copy_and_match_the_dense_path(
         else:
             assert layer.packed_weight is None and not layer.weight.is_mkldnn
         # Layers also hold their weight in panels for calls of a few rows: fp32 ones, and bf16
-        # ones where the CPU has the kernel's bf16 dot product.
+        # ones where the CPU has AMX.
         panels = dtype == torch.float32 or torch.ops.serve_app.panel_linear_bf16()
         assert (layer.panel_weight is not None) is panels
     _dense(monkeypatch)
