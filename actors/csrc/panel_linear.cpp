@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -193,39 +194,40 @@ bool panel_linear_bf16() {
 #endif
 }
 
-at::Tensor pack_panels_bf16(const at::Tensor& w) {
-  TORCH_CHECK(panel_linear_bf16(), "bf16 panels need a CPU with AMX (AMX-BF16)");
-  const at::Tensor dense = w.contiguous();
-  const int64_t N = dense.size(0), K = dense.size(1), panels = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(K % 2 == 0, "bf16 panels need an even number of input features");
-  at::Tensor out = at::zeros({panels, K, kPanel}, dense.options());
-  const c10::BFloat16* src = dense.data_ptr<c10::BFloat16>();
-  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+// Where weight k of output j lies in its panel (K k steps of 32): fp32 k-major; bf16 in
+// pairs of k, outputs j and 16 + j's pairs in the two 64-byte halves of a pair step.
+template <typename T>
+int64_t panel_slot(int64_t k, int64_t j) {
+  if constexpr (std::is_same_v<T, float>) return k * kPanel + j;
+  return (k / 2) * 2 * kPanel + (j / 16) * 32 + 2 * (j % 16) + k % 2;
+}
+
+template <typename T>
+void pack_into(const at::Tensor& dense, at::Tensor& out) {
+  const int64_t N = dense.size(0), K = dense.size(1);
+  const T* src = dense.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, out.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n) {
-        const int64_t j = n % kPanel, at = (j / 16) * 32 + 2 * (j % 16);
+      for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n)
         for (int64_t k = 0; k < K; ++k)
-          dst[p * K * kPanel + (k / 2) * 2 * kPanel + at + k % 2] = src[n * K + k];
-      }
+          dst[p * K * kPanel + panel_slot<T>(k, n % kPanel)] = src[n * K + k];
   });
-  return out;
 }
 
 at::Tensor pack_panels(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "weight must be (N, K) float32 or bfloat16");
-  if (w.scalar_type() == at::kBFloat16) return pack_panels_bf16(w);
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!bf16 || panel_linear_bf16(), "bf16 panels need a CPU with AMX (AMX-BF16)");
+  TORCH_CHECK(!bf16 || w.size(1) % 2 == 0, "bf16 panels need an even number of input features");
   const at::Tensor dense = w.contiguous();
-  const int64_t N = dense.size(0), K = dense.size(1), panels = (N + kPanel - 1) / kPanel;
-  at::Tensor out = at::zeros({panels, K, kPanel}, dense.options());
-  const float* src = dense.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n)
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + n % kPanel] = src[n * K + k];
-  });
+  at::Tensor out = at::zeros({(dense.size(0) + kPanel - 1) / kPanel, dense.size(1), kPanel},
+                             dense.options());
+  if (bf16)
+    pack_into<c10::BFloat16>(dense, out);
+  else
+    pack_into<float>(dense, out);
   return out;
 }
 
