@@ -98,10 +98,22 @@ void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
       const T* gate = xp + r * stride;
       const T* up = gate + n;
       T* o = op + r * n;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
+      // A register of lanes at a time (fast_exp_n: as an `omp simd` loop over fast_exp, GCC
+      // left this scalar on AVX2, 2.3x torch's time), the row's tail one lane at a time.
+      int64_t j = 0;
+      for (; j + kLanes <= n; j += kLanes) {
+        const fnv g = load_n(gate + j);
+        fnv act = g / (1.0f + fast_exp_n(-g));
+        if constexpr (!std::is_same_v<T, float>) {
+          // silu rounded to the storage dtype before the product, as F.silu(gate) * up.
+          T rounded[kLanes];
+          store_n(rounded, act);
+          act = load_n(rounded);
+        }
+        store_n(o + j, act * load_n(up + j));
+      }
+      for (; j < n; ++j) {
         const float g = widen(gate[j]);
-        // silu rounded to the storage dtype before the product, as F.silu(gate) * up.
         const float act = widen(narrow<T>(g / (1.0f + fast_exp(-g))));
         o[j] = narrow<T>(act * widen(up[j]));
       }

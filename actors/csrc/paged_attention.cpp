@@ -36,48 +36,44 @@
 
 namespace {
 
-// Head dims that are multiples of 16 take the vector path (f16v, vec_math.h).
-template <typename T>
-inline f16v load16(const T* p) {
-  f16v v;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&v, p, sizeof(v));
-  } else {
-    for (int i = 0; i < 16; ++i) v[i] = widen(p[i]);
-  }
-  return v;
-}
-
+// Head dims that are multiples of 16 take the vector path: registers of kLanes floats (fnv,
+// vec_math.h), bf16 and fp16 widened as they load (load_n).
+//
 // In the helpers below `D` is the head dim when it is a known multiple of 16 (then the loops
 // unroll and accumulators stay in registers); 0 means `d` at run time, through plain loops.
 //
-// The products of q and k, folded to sixteen lanes; `sum_lanes` of it is their dot product.
+// The products of q and k, folded to one register; the sum of its lanes (lanes kLanes / 2
+// apart first, then half as far, to 1) is their dot product.
 template <int D, typename T>
-inline f16v dot_lanes(const float* q, const T* k) {
-  static_assert(D > 0 && (D / 16 & (D / 16 - 1)) == 0, "D / 16 must be a power of two");
-  f16v acc[D / 16];
-  for (int c = 0; c < D / 16; ++c) acc[c] = load16(q + 16 * c) * load16(k + 16 * c);
-  for (int width = D / 16; width > 1; width /= 2)
+inline fnv dot_lanes(const float* q, const T* k) {
+  constexpr int C = D / kLanes;
+  static_assert(D > 0 && (C & (C - 1)) == 0, "D / kLanes must be a power of two");
+  fnv acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = load_n(q + kLanes * c) * load_n(k + kLanes * c);
+  for (int width = C; width > 1; width /= 2)
     for (int c = 0; c < width / 2; ++c) acc[c] += acc[c + width / 2];
   return acc[0];
 }
 
-template <int D, typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
-  if constexpr (D > 0) {
-    return sum_lanes(dot_lanes<D>(q, k));
-  } else {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < d; ++j) acc += q[j] * widen(k[j]);
-    return acc;
-  }
+inline float dot(const float* q, const float* k, int64_t d) {
+  float acc = 0.0f;
+  for (int64_t j = 0; j < d; ++j) acc += q[j] * k[j];
+  return acc;
 }
 
-// The lane sums of sixteen vectors at once: out[u] = sum_lanes(v[u]), with the same pairs
-// added in the same order (lanes 8 apart, then 4, 2, 1), so bit for bit the same numbers, in
-// 31 shuffles and 15 additions instead of sixteen separate reductions.
-inline f16v sum_lanes16(const f16v* v) {
-  f16v b[8], c[4], e[2];
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float acc = 0.0f;
+  for (int64_t j = 0; j < d; ++j) acc += q[j] * widen(k[j]);
+  return acc;
+}
+
+#if defined(__AVX512F__)
+// The lane sums of sixteen vectors at once: out[u] = the sum of v[u]'s lanes, pairs added
+// lanes 8 apart, then 4, 2, 1, in 31 shuffles and 15 additions instead of sixteen separate
+// reductions.
+inline fnv sum_tile(const fnv* v) {
+  fnv b[8], c[4], e[2];
   for (int m = 0; m < 8; ++m)
     b[m] = __builtin_shufflevector(v[2 * m], v[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
                                    19, 20, 21, 22, 23) +
@@ -96,46 +92,78 @@ inline f16v sum_lanes16(const f16v* v) {
            __builtin_shufflevector(c[2 * j], c[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26,
                                    27, 14, 15, 30, 31);
   // e[j], lanes 4r..4r+3: the two partial sums of vector 8j+r, then of vector 8j+4+r.
-  const f16v f = __builtin_shufflevector(e[0], e[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26,
-                                         12, 14, 28, 30) +
-                 __builtin_shufflevector(e[0], e[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27,
-                                         13, 15, 29, 31);
+  const fnv f = __builtin_shufflevector(e[0], e[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26,
+                                        12, 14, 28, 30) +
+                __builtin_shufflevector(e[0], e[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27,
+                                        13, 15, 29, 31);
   // f, lane 4r+s: vector 4s+r.
   return __builtin_shufflevector(f, f, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
+#elif defined(__AVX__)
+// The same for eight vectors of eight lanes: lanes 4 apart, then 2, 1.
+inline fnv sum_tile(const fnv* v) {
+  fnv b[4], c[2];
+  for (int m = 0; m < 4; ++m)
+    b[m] = __builtin_shufflevector(v[2 * m], v[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * m], v[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  // b[m]: vector 2m's four partial sums in lanes 0-3, vector 2m+1's in lanes 4-7.
+  for (int j = 0; j < 2; ++j)
+    c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(b[2 * j], b[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  // c[j]: the two partial sums of vectors 4j, 4j+2, 4j+1, 4j+3, in lane pairs.
+  const fnv f = __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+  // f: vectors 0, 2, 1, 3, 4, 6, 5, 7.
+  return __builtin_shufflevector(f, f, 0, 2, 1, 3, 4, 6, 5, 7);
+}
+#else
+inline fnv sum_tile(const fnv* v) {
+  fnv out;
+  for (int u = 0; u < kLanes; ++u) {
+    fnv x = v[u];
+    for (int width = kLanes / 2; width >= 1; width /= 2)
+      for (int l = 0; l < width; ++l) x[l] += x[l + width];
+    out[u] = x[0];
+  }
+  return out;
+}
+#endif
 
 // s[u] = the dot product of q with key row u, for u < rows (rows d apart).
 template <int D, typename T>
 inline void scores_of(const float* q, const T* k, int64_t rows, int64_t d, float* s) {
   if constexpr (D > 0) {
-    for (int64_t u0 = 0; u0 < rows; u0 += 16) {
-      const int64_t n = std::min<int64_t>(16, rows - u0);
-      f16v v[16];
-      for (int64_t u = 0; u < 16; ++u) v[u] = u < n ? dot_lanes<D>(q, k + (u0 + u) * D) : f16v{};
-      const f16v out = sum_lanes16(v);
-      if (n == 16) std::memcpy(s + u0, &out, sizeof(out));
+    for (int64_t u0 = 0; u0 < rows; u0 += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, rows - u0);
+      fnv v[kLanes];
+      for (int64_t u = 0; u < kLanes; ++u) v[u] = u < n ? dot_lanes<D>(q, k + (u0 + u) * D) : fnv{};
+      const fnv out = sum_tile(v);
+      if (n == kLanes) store_n(s + u0, out);
       else for (int64_t u = 0; u < n; ++u) s[u0 + u] = out[u];
     }
   } else {
-    for (int64_t u = 0; u < rows; ++u) s[u] = dot<D>(q, k + u * d, d);
+    for (int64_t u = 0; u < rows; ++u) s[u] = dot(q, k + u * d, d);
   }
 }
 
 // acc[g][0:d) += the sum over u < rows of p[g][u] * v[u][0:d), for g < heads (p rows `ps`
-// apart, v rows d apart, acc rows d apart): each value row read once for all the heads.
+// apart, v rows d apart, acc rows d apart): each value row read once for all the heads, the
+// head dim whole (AVX-512) or in slices of four registers (AVX2: fma_block).
 template <int D, int G, typename T>
 inline void accumulate(float* acc, const float* p, int64_t ps, const T* v, int64_t rows) {
-  f16v a[G][D / 16];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < D / 16; ++c) a[g][c] = load16(acc + g * D + 16 * c);
-  for (int64_t u = 0; u < rows; ++u, v += D) {
-    f16v row[D / 16];
-    for (int c = 0; c < D / 16; ++c) row[c] = load16(v + 16 * c);
+  constexpr int C = kLanes == 16 ? D / kLanes : 4;
+  for (int c0 = 0; c0 < D; c0 += C * kLanes) {
+    fnv a[G][C];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < D / 16; ++c) a[g][c] += p[g * ps + u] * row[c];
+      for (int c = 0; c < C; ++c) a[g][c] = load_n(acc + g * D + c0 + kLanes * c);
+    for (int64_t u = 0; u < rows; ++u) {
+      float pu[G];
+      for (int g = 0; g < G; ++g) pu[g] = p[g * ps + u];
+      fma_block(a, pu, v + u * D + c0);
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) store_n(acc + g * D + c0 + kLanes * c, a[g][c]);
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < D / 16; ++c) std::memcpy(acc + g * D + 16 * c, &a[g][c], sizeof(f16v));
 }
 
 // The same for `heads` known only at run time: in chunks whose accumulators fit in sixteen
@@ -144,7 +172,7 @@ template <int D, typename T>
 inline void accumulate_heads(float* acc, const float* p, int64_t ps, const T* v, int64_t rows,
                              int64_t heads, int64_t d) {
   if constexpr (D > 0) {
-    constexpr int kChunk = std::max(1, 16 / (D / 16));
+    constexpr int kChunk = kLanes == 16 ? std::max(1, 16 / (D / 16)) : 3;
     for (int64_t g0 = 0; g0 < heads; g0 += kChunk) {
       float* a = acc + g0 * D;
       const float* pg = p + g0 * ps;

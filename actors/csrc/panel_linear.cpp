@@ -58,8 +58,11 @@
 
 namespace {
 
-constexpr int64_t kPanel = 32;        // outputs per panel: two 16-float vectors
-constexpr int kMaxRows = 12;          // rows per group: 24 accumulators + 2 weights + 1 row value
+constexpr int64_t kPanel = 32;        // outputs per panel: 128 bytes
+constexpr int kVecs = kPanel / kLanes;  // registers (vec_math.h's fnv) a row's panel sums take
+// Rows per group, their sums in registers beside a panel step's weights (AVX-512: 12 rows x
+// 2 vectors of 32 registers) or its row values (AVX2: 3 x 4 of 16; see fma_block).
+constexpr int kMaxRows = kLanes == 16 ? 12 : 3;
 constexpr int64_t kAhead = 1024;      // floats (4 KB) the loads prefetch ahead of the panel
 
 // y[i][0:cols) = sum over k of x[i][k] * panel[k][0:cols), for i < R.
@@ -67,30 +70,23 @@ constexpr int64_t kAhead = 1024;      // floats (4 KB) the loads prefetch ahead 
 template <int R>
 void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t K, float* y,
                 int64_t ldy, int64_t cols, const char* next, int64_t stride) {
-  f16v lo[R], hi[R];
-  for (int i = 0; i < R; ++i) lo[i] = hi[i] = f16v{};
+  fnv acc[R][kVecs];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kVecs; ++v) acc[i][v] = fnv{};
   for (int64_t k = 0; k < K; ++k) {
     const float* w = panel + k * kPanel;
     __builtin_prefetch(w + kAhead, 0, 3);
     __builtin_prefetch(w + kAhead + 16, 0, 3);
     if (next != nullptr) __builtin_prefetch(next + k * stride, 0, 2);
-    const f16v w0 = load(w), w1 = load(w + 16);
-    for (int i = 0; i < R; ++i) {
-      const float xi = x[i * ldx + k];
-      lo[i] += xi * w0;
-      hi[i] += xi * w1;
-    }
+    float xs[R];
+    for (int i = 0; i < R; ++i) xs[i] = x[i * ldx + k];
+    fma_block(acc, xs, w);
   }
   for (int i = 0; i < R; ++i) {
-    if (cols == kPanel) {
-      store(y + i * ldy, lo[i]);
-      store(y + i * ldy + 16, hi[i]);
-    } else {
-      float row[kPanel];
-      store(row, lo[i]);
-      store(row + 16, hi[i]);
-      std::memcpy(y + i * ldy, row, cols * sizeof(float));
-    }
+    float row[kPanel];
+    float* out = cols == kPanel ? y + i * ldy : row;
+    for (int v = 0; v < kVecs; ++v) store_n(out + v * kLanes, acc[i][v]);
+    if (cols < kPanel) std::memcpy(y + i * ldy, row, cols * sizeof(float));
   }
 }
 

@@ -54,77 +54,79 @@ void transpose_keys(const float* k, Strides ks, int64_t ctx, int64_t padded, flo
   }
 }
 
-// scores[x][t] = q_x . k_t for R rows against the 32 keys of one tile starting at kb: 2R
-// accumulators in registers, each key vector loaded once for all R rows.
+// scores[x][t] = q_x . k_t for R rows against the 32 keys of one tile starting at kb: R x
+// (32 / kLanes) accumulators in registers, each key vector loaded once for all R rows.
 template <int D, int R>
 inline void score_tile(const float* const* rows, const float* kt, int64_t padded, int64_t kb,
                        float* scores, int64_t stride) {
-  f16v a[R] = {}, b[R] = {};
+  constexpr int V = kKeyBlock / kLanes;
+  fnv acc[R][V] = {};
   for (int dd = 0; dd < D; ++dd) {
-    const f16v k0 = load(kt + dd * padded + kb), k1 = load(kt + dd * padded + kb + 16);
-    for (int x = 0; x < R; ++x) {
-      const float qx = rows[x][dd];
-      a[x] += k0 * qx, b[x] += k1 * qx;
-    }
+    float qx[R];
+    for (int x = 0; x < R; ++x) qx[x] = rows[x][dd];
+    fma_block(acc, qx, kt + dd * padded + kb);
   }
-  for (int x = 0; x < R; ++x) {
-    store(scores + x * stride + kb, a[x]);
-    store(scores + x * stride + kb + 16, b[x]);
-  }
+  for (int x = 0; x < R; ++x)
+    for (int v = 0; v < V; ++v) store_n(scores + x * stride + kb + v * kLanes, acc[x][v]);
 }
 
-// scores[r][t] = q_r . k_t for the task's rows against keys [0, keys): eight rows at a time
-// (16 accumulators, enough to keep both FMA ports busy through their latency).
+// Rows per score tile: 8 x 2 accumulators with AVX-512 (enough to keep both FMA ports busy
+// through their latency), 3 x 4 with AVX2's 16 registers (fma_block).
+constexpr int kScoreRows = kLanes == 16 ? 8 : 3;
+
+// scores[r][t] = q_r . k_t for the task's rows against keys [0, keys), kScoreRows rows at a
+// time, then four (AVX-512), then one.
 template <int D>
 void score_rows(const float* const* rows, int64_t num_rows, const float* kt, int64_t padded,
                 int64_t keys, float* scores, int64_t stride) {
   for (int64_t kb = 0; kb < keys; kb += kKeyBlock) {
     int64_t r = 0;
-    for (; r + 8 <= num_rows; r += 8)
-      score_tile<D, 8>(rows + r, kt, padded, kb, scores + r * stride, stride);
-    for (; r + 4 <= num_rows; r += 4)
-      score_tile<D, 4>(rows + r, kt, padded, kb, scores + r * stride, stride);
+    for (; r + kScoreRows <= num_rows; r += kScoreRows)
+      score_tile<D, kScoreRows>(rows + r, kt, padded, kb, scores + r * stride, stride);
+    if constexpr (kScoreRows > 4)
+      for (; r + 4 <= num_rows; r += 4)
+        score_tile<D, 4>(rows + r, kt, padded, kb, scores + r * stride, stride);
     for (; r < num_rows; ++r) score_tile<D, 1>(rows + r, kt, padded, kb, scores + r * stride, stride);
   }
 }
 
 // softmax(scale * s) over s[0, n) in place, zeros over [n, keys); returns 1 / the sum. The
 // row's scores are computed in whole tiles, so s may be read up to n rounded up to 16: the
-// exponentials run sixteen lanes at a time to there, the lanes past n masked to zero, instead
-// of ending each row in a one-lane loop as long as the vector part.
+// exponentials run a register of lanes at a time to there, the lanes past n masked to zero,
+// instead of ending each row in a one-lane loop as long as the vector part.
 inline float softmax_row(float* s, int64_t n, int64_t keys, float scale) {
   const float top = max_of(s, n);
-  const int64_t whole = (n + 15) / 16 * 16;
-  f16v lanes{};
-  for (int64_t t0 = 0; t0 < whole; t0 += 16) {
-    float* c = s + t0;
-    const int64_t live = n - t0;
-#pragma omp simd
-    for (int j = 0; j < 16; ++j) c[j] = j < live ? fast_exp((c[j] - top) * scale) : 0.0f;
-    lanes += load(c);
+  const int64_t whole = (n + kLanes - 1) / kLanes * kLanes;
+  fnv lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
+  fnv sums{};
+  for (int64_t t0 = 0; t0 < whole; t0 += kLanes) {
+    fnv e = fast_exp_n((load_n(s + t0) - top) * scale);
+    if (t0 + kLanes > n) e = lane < static_cast<float>(n - t0) ? e : 0.0f;
+    store_n(s + t0, e);
+    sums += e;
   }
-  const float sum = sum_lanes(lanes);
   if (whole < keys) std::fill(s + whole, s + keys, 0.0f);
-  return 1.0f / sum;
+  return 1.0f / sum_n(sums);
 }
 
-// out_r = inv_r * sum_t p[r][t] v_t for R rows at a time over keys [0, n).
+// out_r = inv_r * sum_t p[r][t] v_t for R rows at a time over keys [0, n), the head dim in
+// slices of C vectors: all of it at once with AVX-512, 32 floats at a time with AVX2 (the
+// accumulators of R rows beside its R probabilities in 16 registers; fma_block).
 template <int D, int R>
 void weigh_values(const float* const* probs, const float* inv, int64_t n, const float* v,
                   int64_t v_pos, float* const* outs) {
-  constexpr int C = D / 16;
-  f16v acc[R][C] = {};
-  for (int64_t t = 0; t < n; ++t) {
-    const float* vr = v + t * v_pos;
-    f16v vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load(vr + 16 * c);
-    for (int x = 0; x < R; ++x) {
-      const float p = probs[x][t];
-      for (int c = 0; c < C; ++c) acc[x][c] += vv[c] * p;
+  constexpr int C = kLanes == 16 ? D / kLanes : 4;
+  for (int c0 = 0; c0 < D; c0 += C * kLanes) {
+    fnv acc[R][C] = {};
+    for (int64_t t = 0; t < n; ++t) {
+      float p[R];
+      for (int x = 0; x < R; ++x) p[x] = probs[x][t];
+      fma_block(acc, p, v + t * v_pos + c0);
     }
+    for (int x = 0; x < R; ++x)
+      for (int c = 0; c < C; ++c) store_n(outs[x] + c0 + c * kLanes, acc[x][c] * inv[x]);
   }
-  for (int x = 0; x < R; ++x)
-    for (int c = 0; c < C; ++c) store(outs[x] + 16 * c, acc[x][c] * inv[x]);
 }
 
 template <int D>
@@ -140,7 +142,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const Strides qs{q.stride(0), q.stride(1)}, ks{k.stride(0), k.stride(1)};
   const Strides vs{v.stride(0), v.stride(1)};
   const float sc = static_cast<float>(scale);
-  constexpr int R = D == 64 ? 4 : 2;
+  // Rows per weigh_values call: AVX-512 holds a whole row of D in 4 (dim 64) or 8 registers.
+  constexpr int R = kLanes == 16 ? (D == 64 ? 4 : 2) : 3;
 
   std::vector<float> kt(static_cast<size_t>(kv_heads * D * padded));
   at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
