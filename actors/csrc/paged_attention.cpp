@@ -11,8 +11,9 @@
 // change a sequence's numbers.
 //
 // Keys and values are read sixteen rows at a time, each tile serving every query head of the
-// group while it sits in L1: sixteen keys' scores come out of one lane reduction
-// (`sum_lanes16`), and each value row is added into all the heads' sums from registers. The
+// group while it sits in L1: a register's width of keys' scores (16 with AVX-512, 8 with
+// AVX2) comes out of one lane reduction (`sum_tile`), and each value row is added into all
+// the heads' sums from registers. The
 // numbers are those of one key and one head at a time, bit for bit: the same products, added
 // in the same order. A walk over the rows in reading order (`RowsAhead`) asks for them a few
 // KB before they are read, across block, pass and item boundaries alike.

@@ -10,7 +10,8 @@
 // With a few rows a linear layer is a read of its weight: 2 FLOPs per row per weight read.
 // Laid out in panels, the weight is read once, front to back, each 128-byte step of a panel
 // feeding up to 12 rows x 32 outputs of FMAs (24 accumulators, the broadcast row values from
-// L1). Rows beyond 12 run in further groups over the same panel, then in L2. The loads ask
+// L1; with AVX2's 16 registers, 3 rows x 4 vectors). Further rows run in further groups over
+// the same panel, then in L2. The loads ask
 // for the bytes 4 KB ahead: the hardware prefetcher alone leaves the core waiting on memory
 // (one core, weights 4x larger than L3: 15.7 against 13.1 GB/s).
 //

@@ -10,12 +10,13 @@
 // of 16 query positions); a task takes the block's rows of every query head sharing that KV
 // head, so each key and value it loads serves the whole group:
 //  1. scores: the group's rows against K, which is laid out once per KV head as (dim, keys)
-//     so that sixteen keys are one vector and each query element is a broadcast; eight rows
-//     by 32 keys at a time, 16 accumulators in registers;
-//  2. softmax per row over its causal prefix, in place (fast_exp, as the decode kernel),
-//     sixteen lanes at a time to the row's end, the lanes past it masked;
+//     so that a register of keys is one vector and each query element is a broadcast; rows
+//     by 32 keys at a time with their accumulators in registers (8 rows with AVX-512, 3 with
+//     AVX2: vec_math.h's fma_block);
+//  2. softmax per row over its causal prefix, in place (fast_exp_n), a register of lanes at
+//     a time to the row's end, the lanes past it masked;
 //  3. the output: the probabilities against V, rows four (dim 64) or two (dim 128) at a time
-//     with their accumulators in registers.
+//     with their accumulators in registers (AVX2: three rows, 32 columns at a time).
 // A sequence's numbers depend only on its own tokens.
 //
 // Built by actors/layers/kernels.py with the machine's own compiler on first use.
