@@ -559,7 +559,7 @@ def test_another_tenant_neither_hits_nor_times_a_cached_prefix(keyed: Keyed):
                 times[name].append(ttft)
             assert timed_completion(http, keyed, "key-alpha", prefix)[1] == shared
     # A hit would make the other tenant's first token come sooner than a cold one's.
-    ratios = [other / cold for other, cold in zip(times["other"], times["cold"])]
+    ratios = [o / c for o, c in zip(times["other"], times["cold"], strict=True)]
     assert statistics.median(ratios) >= 1 / 1.2, times
     info = httpx.get(f"{keyed.url}/v1/server_info", headers={"Authorization": "Bearer key-alpha"})
     scope = info.json()["prefix_cache"]
