@@ -57,16 +57,24 @@ void transpose_keys(const float* k, Strides ks, int64_t ctx, int64_t padded, flo
 
 // scores[x][t] = q_x . k_t for R rows against the 32 keys of one tile starting at kb: R x
 // (32 / kLanes) accumulators in registers, each key vector loaded once for all R rows.
+// acc[x][:] += the sum over t < n of rows[x][t] * (the V registers at w + t * step): the
+// inner loop of the scores (q against K's columns) and of the values (p against V's rows).
+template <int R, int V>
+inline void row_products(fnv (&acc)[R][V], const float* const* rows, int64_t n, const float* w,
+                         int64_t step) {
+  for (int64_t t = 0; t < n; ++t) {
+    float s[R];
+    for (int x = 0; x < R; ++x) s[x] = rows[x][t];
+    fma_block(acc, s, w + t * step);
+  }
+}
+
 template <int D, int R>
 inline void score_tile(const float* const* rows, const float* kt, int64_t padded, int64_t kb,
                        float* scores, int64_t stride) {
   constexpr int V = kKeyBlock / kLanes;
   fnv acc[R][V] = {};
-  for (int dd = 0; dd < D; ++dd) {
-    float qx[R];
-    for (int x = 0; x < R; ++x) qx[x] = rows[x][dd];
-    fma_block(acc, qx, kt + dd * padded + kb);
-  }
+  row_products(acc, rows, D, kt + kb, padded);
   for (int x = 0; x < R; ++x)
     for (int v = 0; v < V; ++v) store_n(scores + x * stride + kb + v * kLanes, acc[x][v]);
 }
@@ -120,11 +128,7 @@ void weigh_values(const float* const* probs, const float* inv, int64_t n, const 
   constexpr int C = kLanes == 16 ? D / kLanes : 4;
   for (int c0 = 0; c0 < D; c0 += C * kLanes) {
     fnv acc[R][C] = {};
-    for (int64_t t = 0; t < n; ++t) {
-      float p[R];
-      for (int x = 0; x < R; ++x) p[x] = probs[x][t];
-      fma_block(acc, p, v + t * v_pos + c0);
-    }
+    row_products(acc, probs, n, v + c0, v_pos);
     for (int x = 0; x < R; ++x)
       for (int c = 0; c < C; ++c) store_n(outs[x] + c0 + c * kLanes, acc[x][c] * inv[x]);
   }

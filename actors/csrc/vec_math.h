@@ -124,19 +124,26 @@ inline float sum_n(fnv v) {
   return total;
 }
 
-// exp(x) to about 2 ulp for x in [-87, 88] (clamped outside): Cody-Waite range reduction and
-// a degree-6 polynomial.
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// exp(x) / 2^n for n = round(x / ln 2): Cody-Waite reduction to r = x - n ln 2 and a degree-6
+// polynomial in r. V is a float or an fnv (lane-wise, the same steps).
+template <typename V>
+inline V exp_reduced(V x, V n) {
+  const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// exp(x) to about 2 ulp for x in [-87, 88] (clamped outside): Cody-Waite range reduction and
+// a degree-6 polynomial.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float y = exp_reduced(x, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -154,14 +161,7 @@ inline fnv fast_exp_n(fnv x) {
   fnv t = x * 1.44269504088896341f;
   in_register(t);
   const fnv n = (t + 12582912.0f) - 12582912.0f;
-  const fnv r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  fnv p = fnv{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const fnv y = p * r * r + r + 1.0f;
+  const fnv y = exp_reduced(x, n);
   const inv bits = (__builtin_convertvector(n, inv) + 127) << 23;
   fnv scale;
   std::memcpy(&scale, &bits, sizeof(scale));
