@@ -56,12 +56,6 @@ inline fnv dot_lanes(const float* q, const T* k) {
   return acc[0];
 }
 
-inline float dot(const float* q, const float* k, int64_t d) {
-  float acc = 0.0f;
-  for (int64_t j = 0; j < d; ++j) acc += q[j] * k[j];
-  return acc;
-}
-
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   float acc = 0.0f;
