@@ -16,6 +16,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -60,11 +61,19 @@ class RequestIds:
     def __init__(self, retention_s: float):
         self.retention_s = retention_s
         self.records: dict[tuple[str, str], _Record] = {}
+        # (expires_at, key) of each completed record, oldest first: every record is kept for
+        # the same `retention_s`, so they expire in the order they completed and a purge
+        # looks only at the expired ones (a scan of the whole table cost each request time in
+        # proportion to the requests of the last `retention_s`).
+        self._expiry: deque[tuple[float, tuple[str, str]]] = deque()
 
     def _purge(self) -> None:
         now = time.monotonic()
-        for key, rec in list(self.records.items()):
-            if not rec.live and rec.expires_at <= now:
+        while self._expiry and self._expiry[0][0] <= now:
+            expires_at, key = self._expiry.popleft()
+            rec = self.records.get(key)
+            # A key whose record was made again since (a new attempt) keeps the new one.
+            if rec is not None and not rec.live and rec.expires_at == expires_at:
                 del self.records[key]
 
     async def guard(
@@ -100,7 +109,9 @@ class RequestIds:
         self.records[key] = _Record(digest, live=True)
 
         def record(result: dict) -> None:
-            self.records[key] = _Record(digest, False, result, time.monotonic() + self.retention_s)
+            expires_at = time.monotonic() + self.retention_s
+            self.records[key] = _Record(digest, False, result, expires_at)
+            self._expiry.append((expires_at, key))
 
         try:
             response = await handler(record)
