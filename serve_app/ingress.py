@@ -26,15 +26,13 @@ from serve_app.grammar.schema_limits import SchemaLimits, configure_schema_limit
 from serve_app.metrics import record_outcome
 from serve_app.openai.routes import OpenAIHandlers
 from serve_app.openapi.public import openapi_route
+from serve_app.ops.drain_gate import DrainGate
 from serve_app.responses.routes import ResponsesAPI
 from serve_app.served_by import ServedByMiddleware
 from serve_app.server_info import server_info
 
 logger = logging.getLogger(__name__)
 
-DRAIN_CHECK_PERIOD_S = 0.5
-# The admin deployment answers the draining flag within this, or the last answer stands.
-DRAIN_CHECK_TIMEOUT_S = 1.0
 # /health is green only when an engine replica answers within this.
 HEALTH_ENGINE_TIMEOUT_S = 5.0
 
@@ -97,8 +95,11 @@ class Ingress:
         self._keys_owner = register_keys(config.api_keys)
         # Bound here so that Serve deploys the admin API with the app; it holds the flag.
         self._admin = admin_handle
-        self._drain_checked_at = 0.0
-        self._draining = False
+        self._drain_gate = (
+            DrainGate(lambda: admin_handle.is_draining.remote())
+            if admin_handle is not None
+            else None
+        )
         # This replica's environment is the head raylet's, as the proxy's is.
         if not proxy_flow.is_enabled():
             logger.warning(proxy_flow.MISSING_HOOK_WARNING)
@@ -109,16 +110,8 @@ class Ingress:
         unregister_keys(getattr(self, "_keys_owner", None))
 
     async def admit(self) -> None:
-        """Refuse new work while draining (the flag is read at most twice a second)."""
-        now = time.monotonic()
-        if self._admin is not None and now - self._drain_checked_at > DRAIN_CHECK_PERIOD_S:
-            self._drain_checked_at = now
-            try:
-                flag = self._admin.is_draining.remote()
-                self._draining = await asyncio.wait_for(flag, DRAIN_CHECK_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 (admin replica restarting: keep the last)
-                logger.info("draining flag unavailable (%s)", type(exc).__name__)
-        if self._draining:
+        """Refuse new work while draining (on a reading of the flag at most 0.5 s old)."""
+        if self._drain_gate is not None and await self._drain_gate.is_draining():
             raise errors.overloaded(
                 "The server is draining: in-flight requests finish, new ones go elsewhere.",
                 retry_after_s=5,
