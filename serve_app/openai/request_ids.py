@@ -58,8 +58,9 @@ def body_hash(body: bytes) -> str:
 
 
 class RequestIds:
-    def __init__(self, retention_s: float):
+    def __init__(self, retention_s: float, clock: Callable[[], float] = time.monotonic):
         self.retention_s = retention_s
+        self._clock = clock
         self.records: dict[tuple[str, str], _Record] = {}
         # (expires_at, key) of each completed record, oldest first: every record is kept for
         # the same `retention_s`, so they expire in the order they completed and a purge
@@ -68,7 +69,7 @@ class RequestIds:
         self._expiry: deque[tuple[float, tuple[str, str]]] = deque()
 
     def _purge(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         while self._expiry and self._expiry[0][0] <= now:
             expires_at, key = self._expiry.popleft()
             rec = self.records.get(key)
@@ -109,7 +110,7 @@ class RequestIds:
         self.records[key] = _Record(digest, live=True)
 
         def record(result: dict) -> None:
-            expires_at = time.monotonic() + self.retention_s
+            expires_at = self._clock() + self.retention_s
             self.records[key] = _Record(digest, False, result, expires_at)
             self._expiry.append((expires_at, key))
 

@@ -20,14 +20,7 @@ from serve_app.access.output_budget import (
 from serve_app.access.static_limits import check_request, check_tools
 from serve_app.config.options import LimitOptions
 from serve_app.protocol import parse_request
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import ManualClock
 
 
 def principal(**limits: Any) -> Principal:
@@ -155,7 +148,7 @@ def test_tool_definitions_are_bounded_in_number_and_size():
 
 
 def test_concurrency_is_per_key_and_a_settled_request_frees_its_slot():
-    ledger = UsageLedger(clock=Clock())
+    ledger = UsageLedger(clock=ManualClock())
     first = ledger.reserve("k", 10, max_concurrent=1, tokens_per_minute=None)
     assert first.reservation_id is not None
     refused = ledger.reserve("k", 10, max_concurrent=1, tokens_per_minute=None)
@@ -169,7 +162,7 @@ def test_concurrency_is_per_key_and_a_settled_request_frees_its_slot():
 
 
 def test_token_rate_counts_reservations_then_measured_usage_over_a_sliding_minute():
-    clock = Clock()
+    clock = ManualClock()
     ledger = UsageLedger(clock=clock)
     a = ledger.reserve("k", 600, None, tokens_per_minute=1000)
     assert a.reservation_id is not None
@@ -190,7 +183,7 @@ def test_token_rate_counts_reservations_then_measured_usage_over_a_sliding_minut
 
 
 def test_a_request_larger_than_the_minute_budget_waits_for_a_whole_idle_minute():
-    clock = Clock()
+    clock = ManualClock()
     ledger = UsageLedger(clock=clock)
     big = ledger.reserve("k", 5000, None, tokens_per_minute=1000)
     assert big.reservation_id is not None  # reserves the whole budget, not more
@@ -199,7 +192,7 @@ def test_a_request_larger_than_the_minute_budget_waits_for_a_whole_idle_minute()
 
 
 def test_an_unsettled_reservation_expires_after_its_lease():
-    clock = Clock()
+    clock = ManualClock()
     ledger = UsageLedger(clock=clock, lease_s=60)
     assert ledger.reserve("k", 1, 1, None).reservation_id is not None
     assert ledger.reserve("k", 1, 1, None).reservation_id is None
@@ -260,7 +253,7 @@ def limiter_on(ledger: UsageLedger) -> Limiter:
 
 
 def test_limiter_settles_measured_usage_or_the_prompt_when_the_request_died():
-    ledger = UsageLedger(clock=Clock())
+    ledger = UsageLedger(clock=ManualClock())
     limiter = limiter_on(ledger)
     key = principal(max_concurrent_requests=2, tokens_per_minute=10_000)
 
@@ -285,7 +278,7 @@ def test_limiter_settles_measured_usage_or_the_prompt_when_the_request_died():
 
 
 def test_a_response_ends_only_once_the_ledger_has_its_settlement():
-    ledger = UsageLedger(clock=Clock())
+    ledger = UsageLedger(clock=ManualClock())
     limiter = Limiter("test")
     limiter._ledger = SlowLedgerHandle(ledger, delay_s=0.05)
     key = principal(tokens_per_minute=10_000)
@@ -314,7 +307,7 @@ def test_a_response_ends_only_once_the_ledger_has_its_settlement():
 
 
 def test_limiter_refuses_with_429_naming_the_limit_and_skips_keys_without_budgets():
-    ledger = UsageLedger(clock=Clock())
+    ledger = UsageLedger(clock=ManualClock())
     limiter = limiter_on(ledger)
     key = principal(max_concurrent_requests=1)
 

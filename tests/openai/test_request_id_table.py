@@ -9,23 +9,13 @@ import pytest
 from starlette.responses import JSONResponse
 
 from serve_app import errors
-from serve_app.openai import request_ids
 from serve_app.openai.request_ids import RequestIds
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import ManualClock
 
 
 @pytest.fixture
-def clock(monkeypatch) -> Clock:
-    clock = Clock()
-    monkeypatch.setattr(request_ids.time, "monotonic", clock)
-    return clock
+def clock() -> ManualClock:
+    return ManualClock(1000.0)
 
 
 def complete(ids: RequestIds, rid: str, body: bytes = b'{"prompt": "a"}', text: str = "x"):
@@ -39,7 +29,7 @@ def complete(ids: RequestIds, rid: str, body: bytes = b'{"prompt": "a"}', text: 
 
 
 def test_a_completed_id_replays_until_its_retention_passes_then_runs_again(clock):
-    ids = RequestIds(retention_s=60)
+    ids = RequestIds(retention_s=60, clock=clock)
     assert complete(ids, "a", text="first").headers.get("x-replayed") is None
     clock.now += 59
     assert complete(ids, "a", text="second").headers["x-replayed"] == "true"
@@ -52,7 +42,7 @@ def test_a_completed_id_replays_until_its_retention_passes_then_runs_again(clock
 
 
 def test_ids_are_forgotten_in_the_order_they_completed(clock):
-    ids = RequestIds(retention_s=10)
+    ids = RequestIds(retention_s=10, clock=clock)
     for i in range(100):
         complete(ids, f"r{i}")
         clock.now += 0.1
@@ -65,7 +55,7 @@ def test_ids_are_forgotten_in_the_order_they_completed(clock):
 
 
 def test_a_live_attempt_is_never_purged_and_a_different_body_conflicts(clock):
-    ids = RequestIds(retention_s=1)
+    ids = RequestIds(retention_s=1, clock=clock)
     started = asyncio.Event()
 
     async def run():

@@ -9,14 +9,7 @@ import asyncio
 import pytest
 
 from serve_app.ops.drain_gate import DrainGate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import ManualClock
 
 
 class Admin:
@@ -37,8 +30,8 @@ class Admin:
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 def test_a_stale_reading_is_refreshed_before_the_request_is_admitted(clock):

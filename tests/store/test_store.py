@@ -28,29 +28,22 @@ from serve_app.store.base import (
 )
 from serve_app.store.items import as_chat_messages, message_item
 from serve_app.store.sqlite import SQLiteStore
+from tests.support.clock import ManualClock
 
 BACKENDS = ["sqlite", "postgresql"]
-
-
-class FakeClock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 Opener = Callable[[], Store]
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> ManualClock:
+    return ManualClock(1_000_000.0)
 
 
 @pytest.fixture(params=BACKENDS)
 def open_backend(
-    request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock
+    request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock
 ) -> Iterator[Opener]:
     """A factory of Stores on one backing storage, all on `clock`; closes what it opened."""
     opened: list[Store] = []
@@ -135,7 +128,7 @@ def test_completed_resources_survive_a_restart(open_backend: Opener) -> None:
 
 
 def test_orphans_are_unfinished_generations_of_silent_owners(
-    store: Store, clock: FakeClock
+    store: Store, clock: ManualClock
 ) -> None:
     store.heartbeat("proc-a")
     store.insert_generation(gen("gen_1", status="running"))
@@ -168,7 +161,7 @@ def test_idempotency_key_replays_or_conflicts(store: Store) -> None:
     assert store.insert_generation(gen("gen_5"), other_op).outcome is InsertOutcome.CREATED
 
 
-def test_idempotency_key_expires(store: Store, clock: FakeClock) -> None:
+def test_idempotency_key_expires(store: Store, clock: ManualClock) -> None:
     store.insert_generation(gen("gen_1"), IdempotencyKey("op", "k", "h", clock.now + 10))
     clock.now += 11
     assert (
@@ -367,7 +360,7 @@ def test_responses_are_tenant_scoped_deleted_once_and_survive_a_restart(
     assert store.get_response("t1", "resp_2") is not None
 
 
-def test_expired_responses_read_as_absent_then_are_purged(store: Store, clock: FakeClock) -> None:
+def test_expired_responses_read_as_absent_then_are_purged(store: Store, clock: ManualClock) -> None:
     store.insert_response(response("resp_old", expires_at=clock.now + 5))
     store.insert_response(response("resp_new", expires_at=clock.now + 50))
     clock.now += 6
@@ -432,7 +425,9 @@ def test_an_update_that_writes_nothing_appends_no_events(store: Store) -> None:
     assert store.get_response_events("t1", "resp_1", 0) == [event(1)]
 
 
-def test_deleting_or_purging_a_response_removes_its_events(store: Store, clock: FakeClock) -> None:
+def test_deleting_or_purging_a_response_removes_its_events(
+    store: Store, clock: ManualClock
+) -> None:
     store.insert_response(running(), [event(0), event(1)])
     store.insert_response(running("resp_2"), [event(0)])
     assert store.delete_response("t1", "resp_1")
@@ -499,7 +494,7 @@ def test_a_response_of_the_previous_schema_resumes_from_its_record(
 # -------------------------------------------------------------------------- expiry
 
 
-def test_expired_rows_read_as_absent_then_are_purged(store: Store, clock: FakeClock) -> None:
+def test_expired_rows_read_as_absent_then_are_purged(store: Store, clock: ManualClock) -> None:
     store.insert_generation(replace(gen("gen_old", status="completed"), expires_at=clock.now + 5))
     store.insert_generation(gen("gen_live", status="running"))  # unfinished: never expires
     store.create_conversation(conv("conv_old", expires_at=clock.now + 5))
