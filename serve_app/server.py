@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from serve_app import ray_env
 from serve_app.backpressure import proxy_hold as proxy_flow
 from serve_app.config.options import ServeConfig
-from serve_app.ports import REASONS, bind_problem
+from serve_app.ports import REASONS, Listener, bind_problem, check_free
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,12 @@ def start(config: ServeConfig, *, ray_init_kwargs: dict | None = None) -> str:
     from serve_app.placement import wait_deployed
 
     starts_ray = not ray.is_initialized() and not config.ray_address
+    if starts_ray and config.direct_ingress:
+        # The ingress replica binds `port` without SO_REUSEADDR: the connections of a server
+        # stopped moments ago hold it for up to a minute (TCP TIME_WAIT), and the replica
+        # would fail to start ("Failed to update the deployments ['ingress']"). Wait that out
+        # as `serve-app serve` does; a port another program listens on is `PortInUse`.
+        check_free([Listener(config.host, config.port, "port", False)], say=logger.warning)
     if starts_ray:
         # Before Ray starts: its proxy and replicas inherit this process's environment.
         ray_env.prepare(config.port if config.direct_ingress else None)

@@ -119,6 +119,35 @@ def test_a_start_waits_out_a_lingering_port_then_goes_on(monkeypatch):
     assert next(answers, "drained") == "drained"
 
 
+def test_the_python_start_waits_out_a_lingering_direct_ingress_port(monkeypatch, model_dirs):
+    # `serve_app.server.start` (notebooks, benchmarks) restarting a direct-ingress server on
+    # its port: the replica binds without SO_REUSEADDR, so the wait comes before Ray starts.
+    import ray
+
+    from serve_app import ray_env, server
+    from serve_app.config.options import ServeConfig
+
+    class BeforeRay(Exception):
+        pass
+
+    def no_ray(*_args, **_kwargs):
+        raise BeforeRay
+
+    checked: list[Listener] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(server, "check_free", lambda listeners, say: checked.extend(listeners))
+    monkeypatch.setattr(ray_env, "prepare", no_ray)
+    config = ServeConfig(model=str(model_dirs("llama")), port=free_port(), direct_ingress=True)
+    with pytest.raises(BeforeRay):
+        server.start(config)
+    assert checked == [Listener(config.host, config.port, "port", reuse_addr=False)]
+
+    checked.clear()  # through Serve's proxy, which binds with SO_REUSEADDR: nothing to wait for
+    with pytest.raises(BeforeRay):
+        server.start(config.model_copy(update={"direct_ingress": False}))
+    assert checked == []
+
+
 def test_a_port_someone_listens_on_is_in_use_at_once():
     with held_port() as taken:
         said: list[str] = []
