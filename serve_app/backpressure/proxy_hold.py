@@ -5,7 +5,8 @@ replica, so a client that stops reading is invisible to the ingress and to the e
 one place that sees it is the proxy's own socket write: uvicorn's `send` waits while the
 connection's write buffer is over its high-water mark (64 KiB, after the kernel's socket
 buffers are full). `ProxyHoldMiddleware` runs inside the proxy, installed through Serve's
-`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` hook, and times those writes:
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` hook, and times those writes (those that can wait:
+uvicorn waits only while the transport is paused):
 
 - a body write still waiting after `STALL_S` pauses the response's flow key on its board
   (`serve_app.backpressure.stalled_streams`), and keeps re-asserting it every `HEARTBEAT_S` while
@@ -136,6 +137,13 @@ def _bound_buffers(send: Any) -> None:
     transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES, low=WRITE_HIGH_WATER_BYTES // 2)
 
 
+def _write_flow(send: Any) -> Any:
+    """uvicorn's flow control for the connection `send` writes to (its request cycle holds
+    it, as it holds the transport), or None where the server is another."""
+    flow = getattr(getattr(send, "__self__", None), "flow", None)
+    return flow if isinstance(getattr(flow, "write_paused", None), bool) else None
+
+
 class _ResponseFlow:
     """One response's writes: finds its flow key, and pauses it while a write is stuck."""
 
@@ -146,6 +154,8 @@ class _ResponseFlow:
         self._key: str | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_call: asyncio.Task | None = None
+        # uvicorn's flow control of the connection (`write_paused`), when the server is it.
+        self._flow: Any = None
         self.paused = False
 
     async def send(self, message: dict) -> None:
@@ -154,7 +164,13 @@ class _ResponseFlow:
             message = self._take_header(message)
             if self._key is not None:
                 _bound_buffers(self._send)
+                self._flow = _write_flow(self._send)
         if self._key is None or kind != "http.response.body":
+            await self._send(message)
+            return
+        if not self.paused and self._flow is not None and not self._flow.write_paused:
+            # uvicorn waits only before a write, and only while its transport is paused:
+            # this one cannot stall, so it needs no timer (one per token otherwise).
             await self._send(message)
             return
         loop = asyncio.get_running_loop()

@@ -127,6 +127,58 @@ def test_uvicorns_transport_gets_capped_buffers_and_a_refusing_socket_is_tolerat
         assert len(transport.sock.options) == (0 if fails else 1)
 
 
+def test_on_uvicorn_a_write_after_the_transport_paused_is_the_one_that_stalls_and_pauses():
+    """uvicorn waits only before a write, and only while its transport is paused: the writes
+    before the pause go straight through, the one that waits on the drain pauses the key."""
+
+    class Flow:
+        def __init__(self):
+            self.write_paused = False
+            self.drained = asyncio.Event()
+
+    class Transport:
+        def get_extra_info(self, name):
+            return None
+
+        def set_write_buffer_limits(self, high, low):
+            pass
+
+    class Cycle:
+        def __init__(self):
+            self.flow, self.transport, self.bodies = Flow(), Transport(), 0
+
+        async def send(self, message):
+            if self.flow.write_paused:
+                await self.flow.drained.wait()
+                self.flow.write_paused = False
+            if message["type"] == "http.response.body":
+                self.bodies += 1
+                # The client stopped reading: this write filled the buffer past high water.
+                self.flow.write_paused = self.bodies == 2
+
+    board = FakeBoard()
+    name, value = flow_header("flow:m", "k3")
+    app = streaming_app(4, [(name.encode(), value.encode())])
+
+    async def main():
+        cycle = Cycle()
+        middleware = ProxyHoldMiddleware(app)
+        loop = asyncio.get_running_loop()
+        loop.call_later(proxy_flow.STALL_S + 0.3, cycle.flow.drained.set)
+        await middleware({"type": "http"}, None, cycle.send)
+        await asyncio.gather(*middleware._calls)
+        return cycle
+
+    original = proxy_flow._lookup_board
+    proxy_flow._lookup_board = lambda name: board
+    try:
+        cycle = asyncio.run(main())
+    finally:
+        proxy_flow._lookup_board = original
+    assert cycle.bodies == 5
+    assert board.calls == [("pause", "k3"), ("resume", "k3")]
+
+
 def test_responses_without_a_flow_key_are_passed_through_untouched():
     sent, board = run_through(streaming_app(2, [(b"a", b"b")]), [proxy_flow.STALL_S + 0.2])
     assert board.calls == [] and sent[0]["headers"] == [(b"a", b"b")]
