@@ -21,7 +21,7 @@ from serve_app.ingress import Ingress
 from serve_app.metrics import record_grammar_compile
 from serve_app.ops.admin_app import AdminServer
 from serve_app.ops.stats import HEAD_ONLY
-from serve_app.responses.service import ResponseRunnerService
+from serve_app.responses.service import ResponsesReplica
 from serve_app.workers.engine import EngineService, build_model_config
 from serve_app.workers.tokenizer import TokenizerService
 
@@ -121,19 +121,6 @@ def probe_grammar_backend(config: ServeConfig) -> dict[str, Any]:
             "tokenizer's grammar backend cannot do: " + info["unavailable_reason"]
         )
     return info
-
-
-class ResponsesReplica(ResponseRunnerService):
-    """The responses runner as a Serve replica. As in the ingress, the engine handle arrives
-    with the options of the process that built the graph; the data plane is this replica's."""
-
-    def __init__(
-        self, config: ServeConfig, engine: Any, grammar: Any, identity: dict[str, Any]
-    ) -> None:
-        by_reference = not ray_env.grpc_data_plane()
-        engine = engine.options(_by_reference=by_reference)
-        # A compile's result goes to the engine as an object ref: always by reference.
-        super().__init__(config, engine, grammar.options(_by_reference=True), identity)
 
 
 def admin_deployment(config: ServeConfig) -> Application:
