@@ -104,6 +104,11 @@ def _cpu_of(stat_path: Path, tick: int) -> float:
     return (int(fields[11]) + int(fields[12])) / tick
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of one process (its threads, not its children)."""
+    return _cpu_of(Path(f"/proc/{pid}/stat"), os.sysconf("SC_CLK_TCK"))
+
+
 def _ray_processes() -> Iterator[tuple[Path, str]]:
     """This machine's Ray worker processes (`ray::...` titles): their /proc folder and title."""
     for entry in Path("/proc").iterdir():

@@ -36,6 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import free_port, resolve_model, streaming_session, write_json  # noqa: E402
+from cpu_accounting import process_cpu_seconds  # noqa: E402
 
 MODES = ("uvicorn", "starlette", "ingress")
 # One completions chunk as the ingress frames it: what the floors write per token.
@@ -251,12 +252,6 @@ def serve(mode: str, port: int, step_s: float) -> None:
 # ---------------------------------------------------------------------------- the driver
 
 
-def process_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def wait_for_port(port: int, child: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -304,9 +299,9 @@ def measure(mode: str, args) -> dict:
         wait_for_port(port, child)
         # Warm: the first requests import and open what later ones reuse (the channel).
         asyncio.run(level(mode, port, 8, 8, 16))
-        cpu, start = process_cpu_s(child.pid), time.perf_counter()
+        cpu, start = process_cpu_seconds(child.pid), time.perf_counter()
         events = asyncio.run(level(mode, port, args.streams, args.requests, args.tokens))
-        cpu, wall = process_cpu_s(child.pid) - cpu, time.perf_counter() - start
+        cpu, wall = process_cpu_seconds(child.pid) - cpu, time.perf_counter() - start
     finally:
         child.send_signal(signal.SIGINT)
         try:
