@@ -21,7 +21,7 @@ from serve_app.ingress import Ingress
 from serve_app.metrics import record_grammar_compile
 from serve_app.ops.admin_app import AdminServer
 from serve_app.ops.stats import HEAD_ONLY
-from serve_app.responses.service import ResponsesReplica
+from serve_app.replicas import ResponsesReplica
 from serve_app.workers.engine import EngineService, build_model_config
 from serve_app.workers.tokenizer import TokenizerService
 

@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, list[list[str]], bool]] = [
             [
                 "serve_app.app", "serve_app.cli", "serve_app.server", "serve_app.ingress",
                 "serve_app.server_info", "serve_app.placement", "serve_app.ray_env",
+                "serve_app.replicas",
                 "serve_app.openapi.public", "serve_app.openapi.__main__",
             ]
         ],

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from serve_app import errors, ray_env
+from serve_app import errors
 from serve_app.config.options import ServeConfig
 from serve_app.responses.admission import AdmittedResponse
 from serve_app.responses.event_channel import Batch, EventChannels, EventHub
@@ -161,18 +161,3 @@ class RunnerClient:
                     yield event
         finally:
             batches.cancel()  # a reader that left: the runner stops sending, the run goes on
-
-
-class ResponsesReplica(ResponseRunnerService):
-    """The responses runner as a Serve replica. As in the ingress, the engine handle arrives
-    with the options of the process that built the graph; the data plane is this replica's.
-    Defined here, not beside the graph in `serve_app.app`: a replica imports its class's
-    module, and that one imports every deployment's (torch, transformers, xgrammar)."""
-
-    def __init__(
-        self, config: ServeConfig, engine: Any, grammar: Any, identity: dict[str, Any]
-    ) -> None:
-        by_reference = not ray_env.grpc_data_plane()
-        engine = engine.options(_by_reference=by_reference)
-        # A compile's result goes to the engine as an object ref: always by reference.
-        super().__init__(config, engine, grammar.options(_by_reference=True), identity)
