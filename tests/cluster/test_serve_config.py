@@ -29,6 +29,32 @@ def test_serve_config_file_validates_and_builds_the_graph(model_dirs):
     assert built._bound_deployment.name == "ingress"
 
 
+def test_no_replica_imports_the_graph_module_and_each_stops_on_the_short_wait_loop(model_dirs):
+    """A replica imports the module its class is defined in: one defined in serve_app.app would
+    load every deployment's imports (the responses replica once came up 7 s later for it). And
+    an idle stage of a stop waits one wait loop, so each deployment uses the short one."""
+    from ray.serve import Application
+
+    from serve_app.app import SHUTDOWN_WAIT_LOOP_S, build_app
+    from serve_app.config.options import ServeConfig
+
+    seen = {}
+
+    def walk(app: Application) -> None:
+        deployment = app._bound_deployment
+        seen[deployment.name] = deployment
+        bound = [*deployment.init_args, *deployment.init_kwargs.values()]
+        for child in bound:
+            if isinstance(child, Application) and child._bound_deployment.name not in seen:
+                walk(child)
+
+    walk(build_app(ServeConfig(model=str(model_dirs("llama")))))
+    assert set(seen) == {"ingress", "tokenizer", "grammar", "engine", "admin", "responses"}
+    for name, deployment in seen.items():
+        assert deployment.func_or_class.__module__ != "serve_app.app", name
+        assert deployment._deployment_config.graceful_shutdown_wait_loop_s == SHUTDOWN_WAIT_LOOP_S
+
+
 def test_serve_config_with_a_bad_field_fails_naming_it(model_dirs):
     from pydantic import ValidationError
 
