@@ -27,16 +27,15 @@ import argparse
 import asyncio
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import free_port, resolve_model, streaming_session, write_json  # noqa: E402
 from cpu_accounting import process_cpu_seconds  # noqa: E402
+from peer_servers import ServerProcess  # noqa: E402
 
 MODES = ("uvicorn", "starlette", "ingress")
 # One completions chunk as the ingress frames it: what the floors write per token.
@@ -74,9 +73,12 @@ class Stepper:
 
 
 def floor_app(mode: str, stepper: Stepper):
-    from starlette.responses import StreamingResponse
+    from starlette.responses import PlainTextResponse, StreamingResponse
 
     async def app(scope, receive, send) -> None:
+        if scope["path"] == "/health":
+            await PlainTextResponse("ok")(scope, receive, send)
+            return
         n = int(dict(p.split("=") for p in scope["query_string"].decode().split("&"))["n"])
         if mode == "starlette":
 
@@ -252,18 +254,6 @@ def serve(mode: str, port: int, step_s: float) -> None:
 # ---------------------------------------------------------------------------- the driver
 
 
-def wait_for_port(port: int, child: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise RuntimeError(f"the server exited ({child.returncode}) before listening")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"nothing listened on {port} within {timeout_s:.0f} s")
-
-
 async def level(mode: str, port: int, streams: int, requests: int, tokens: int) -> int:
     """Stream `requests` requests, `streams` at a time; the data events the clients read."""
     url = f"http://127.0.0.1:{port}"
@@ -293,22 +283,21 @@ async def level(mode: str, port: int, streams: int, requests: int, tokens: int) 
 
 def measure(mode: str, args) -> dict:
     port = free_port()
-    cmd = [sys.executable, __file__, "--serve", mode, "--port", str(port)]
-    child = subprocess.Popen([*cmd, "--step-ms", str(args.step_ms)], stdout=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, child)
-        # Warm: the first requests import and open what later ones reuse (the channel).
-        asyncio.run(level(mode, port, 8, 8, 16))
-        cpu, start = process_cpu_seconds(child.pid), time.perf_counter()
-        events = asyncio.run(level(mode, port, args.streams, args.requests, args.tokens))
-        cpu, wall = process_cpu_seconds(child.pid) - cpu, time.perf_counter() - start
-    finally:
-        child.send_signal(signal.SIGINT)
+    argv = [sys.executable, __file__, "--serve", mode, "--port", str(port)]
+    with tempfile.TemporaryDirectory() as logs:
+        server = ServerProcess(
+            mode, [*argv, "--step-ms", str(args.step_ms)], port, logs, {**os.environ}
+        )
         try:
-            child.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+            server.wait_healthy(timeout_s=120)
+            # Warm: the first requests import and open what later ones reuse (the channel).
+            asyncio.run(level(mode, port, 8, 8, 16))
+            pid = server.proc.pid
+            cpu, start = process_cpu_seconds(pid), time.perf_counter()
+            events = asyncio.run(level(mode, port, args.streams, args.requests, args.tokens))
+            cpu, wall = process_cpu_seconds(pid) - cpu, time.perf_counter() - start
+        finally:
+            server.stop()  # with the local Ray it started
     # The completions stream ends each choice with a chunk of its own (its finish reason).
     expected = args.requests * (args.tokens + (mode == "ingress"))
     if events != expected:
