@@ -92,10 +92,14 @@ SERVE_ROLES = {
     ":grammar": "grammar",
     ":engine": "engine",
     ":admin": "admin",
+    ":responses": "responses",
     "ServeController": "controller",
+    # The engine replicas' stats and timelines, and the drain flag the admin API keeps.
+    "StatsRegistry": "stats_registry",
 }
-# Not on a request's path: reported beside, never summed into the serving path's cost.
-BACKGROUND_ROLES = ("controller", "admin")
+# Not on a completion's path: reported beside, never summed into the serving path's cost.
+# The responses runner is on the Responses API's path (benchmarks/responses.py sums it).
+BACKGROUND_ROLES = ("controller", "admin", "stats_registry", "responses")
 
 
 def _cpu_of(stat_path: Path, tick: int) -> float:
@@ -185,14 +189,19 @@ def step_thread_shares(
     }
 
 
-def serving_cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict:
+def serving_cpu_per_token(
+    before: dict[str, float],
+    after: dict[str, float],
+    tokens: int,
+    background: tuple[str, ...] = BACKGROUND_ROLES,
+) -> dict:
     """CPU ms per output token, by role, between two `serve_cpu_seconds` readings; `serving`
-    sums the path outside the engine's step threads."""
+    sums the path outside the engine's step threads and the `background` roles."""
     per = {
         role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1e3 / max(tokens, 1)
         for role in sorted(set(before) | set(after))
     }
-    path = [r for r in per if r != "engine_step" and r not in BACKGROUND_ROLES]
+    path = [r for r in per if r != "engine_step" and r not in background]
     return {"serving": sum(per[r] for r in path), "by_role": per}
 
 

@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     write_json,
 )
 from cpu_accounting import (  # noqa: E402
+    BACKGROUND_ROLES,
     serve_cpu_seconds,
     serving_cpu_per_token,
 )
@@ -134,7 +135,11 @@ def level(side: str, url: str, model: str, prompts, concurrency: int, max_tokens
 
     results, seconds = asyncio.run(run())
     summary = stream_summary(results, seconds)
-    cpu = serving_cpu_per_token(cpu_before, serve_cpu_seconds(), summary["output_tokens"])
+    # The responses runner is on /v1/responses' path; both sides count it, to compare alike.
+    background = tuple(r for r in BACKGROUND_ROLES if r != "responses")
+    cpu = serving_cpu_per_token(
+        cpu_before, serve_cpu_seconds(), summary["output_tokens"], background
+    )
     return {
         "side": side,
         **summary,
