@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from actors.messages import TokenLogprobs
 from actors.request import FinishReason
@@ -44,6 +45,26 @@ class RequestOutput:
     # When the params ask: the prompt's logprobs, aligned with `prompt_token_ids` (index 0 is
     # None), on the request's first output only (the prompt is computed before any sample).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+def _pickle_positionally(cls: type) -> None:
+    """Pickle `cls` as its constructor and its fields in order, not as a class reference
+    plus an attribute dict: a smaller payload, and unpickled by one call instead of an
+    object made empty and then filled. These cross a Serve hop once per step per request
+    (`serve_app.ray_env.data_plane_options`): with `pickle`, a channel batch of 64 encodes
+    in 1.8 µs an output against 2.2 and decodes in 1.1 against 2.4, and takes 116 bytes an
+    output against 157 (`benchmarks/channel_wire.py`). Every field is an `__init__`
+    argument."""
+    get = attrgetter(*(f.name for f in fields(cls)))
+
+    def __reduce__(self):
+        return cls, get(self)
+
+    cls.__reduce__ = __reduce__
+
+
+_pickle_positionally(CompletionDelta)
+_pickle_positionally(RequestOutput)
 
 
 @dataclass

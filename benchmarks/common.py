@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import random
 import statistics
 import time
@@ -198,6 +199,18 @@ def run_header(model: Model, dtype: str = "float32") -> dict:
     import torch
 
     return {"checkpoint": model.label, "dtype": dtype, "threads": torch.get_num_threads()}
+
+
+def cpu_model() -> str:
+    """The host's CPU as /proc/cpuinfo names it (for the JSON: figures differ by host)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def write_json(result: dict, out: str | None) -> None:

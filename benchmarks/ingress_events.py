@@ -33,7 +33,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import free_port, resolve_model, streaming_session, write_json  # noqa: E402
+from common import cpu_model, free_port, resolve_model, streaming_session, write_json  # noqa: E402
 from cpu_accounting import process_cpu_seconds  # noqa: E402
 from peer_servers import ServerProcess  # noqa: E402
 
@@ -310,17 +310,6 @@ def measure(mode: str, args) -> dict:
         "server_cores": round(cpu / wall, 3),
         "server_us_per_token": round(cpu / tokens * 1e6, 1),
     }
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ class Ingress:
         # plane is this replica's (its node's `ray start` environment, serve_app/ray_env.py).
         by_reference = not ray_env.grpc_data_plane()
         tokenizer_handle = tokenizer_handle.options(_by_reference=by_reference)
-        engine_handle = engine_handle.options(_by_reference=by_reference)
+        engine_handle = engine_handle.options(**ray_env.data_plane_options())
         # A compile's result goes to the engine as an object ref (the engine prefills while
         # it compiles): always by reference.
         grammar_handle = grammar_handle.options(_by_reference=True)

@@ -132,6 +132,20 @@ def grpc_data_plane() -> bool:
     return os.environ.get(GRPC_ENV) == "1"
 
 
+def data_plane_options() -> dict[str, object]:
+    """Options for the engine handle: by reference unless this process's Serve streams over
+    gRPC; over gRPC, replies (the engine's outputs, the channel's batches) in Serve's
+    `pickle` instead of its default `cloudpickle`. cloudpickle calls a Python reducer for
+    every object it meets: a step's channel batch of 64 outputs cost the engine replica 5.3
+    µs an output to encode, 1.8 with `pickle` and the outputs' positional pickling
+    (actors/outputs.py; `benchmarks/channel_wire.py`). Requests stay in cloudpickle: one
+    carries its grammar's ObjectRef, which only Ray's cloudpickle reducer hands over with
+    its ownership (under `pickle` a constrained request hung in the engine)."""
+    if not grpc_data_plane():
+        return {"_by_reference": True}
+    return {"_by_reference": False, "response_serialization": "pickle"}
+
+
 @contextmanager
 def batch_scheduled_children() -> Iterator[None]:
     """Processes this thread starts inside run under `SCHED_BATCH` (Linux; unless

@@ -19,7 +19,6 @@ class ResponsesReplica(ResponseRunnerService):
     def __init__(
         self, config: ServeConfig, engine: Any, grammar: Any, identity: dict[str, Any]
     ) -> None:
-        by_reference = not ray_env.grpc_data_plane()
-        engine = engine.options(_by_reference=by_reference)
+        engine = engine.options(**ray_env.data_plane_options())
         # A compile's result goes to the engine as an object ref: always by reference.
         super().__init__(config, engine, grammar.options(_by_reference=True), identity)

@@ -74,10 +74,15 @@ def test_the_ingress_streams_on_its_own_nodes_data_plane(grpc, monkeypatch, mode
     ingress = Ingress(config, *handles, identity)
 
     by_reference = grpc != "1"
+    # Over gRPC the engine's outputs come by Serve's `pickle`; its requests stay in
+    # cloudpickle, which hands a grammar's ObjectRef over with its ownership.
+    serializer = None if by_reference else "pickle"
     streams = [ingress._engine, ingress.openai.engine, ingress.generations.runner.engine]
     for handle in streams:
         assert handle.name == "engine"
         assert handle.given.get("_by_reference") is by_reference
+        assert "request_serialization" not in handle.given
+        assert handle.given.get("response_serialization") == serializer
     assert ingress.openai.tokenizer.given.get("_by_reference") is by_reference
     for grammar in (ingress.openai.admission.grammar, ingress.generations.runner.grammar):
         assert grammar.given == {"_by_reference": True}

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import pickle
 
 import pytest
 
+from actors.messages import TokenLogprobs
 from actors.outputs import CompletionDelta, RequestOutput
 from serve_app.workers.output_channel import (
     ChannelClosed,
+    ChannelHello,
     ChannelHub,
     EngineChannels,
     Routed,
+    lost_output,
 )
 
 
@@ -248,3 +252,24 @@ def test_a_channel_is_no_child_of_the_request_that_opened_it() -> None:
         channels.close()
 
     asyncio.run(main())
+
+
+def test_what_the_engine_replica_sends_round_trips_through_plain_pickle() -> None:
+    """Over gRPC the engine handle's replies use Serve's `pickle` serializer
+    (serve_app.ray_env), which, unlike cloudpickle, cannot carry a lambda or a class made at
+    run time: every kind of item the engine replica sends comes back equal, every field
+    set."""
+    logprobs = [TokenLogprobs(-0.5, 1, [(5, -0.5), (6, -1.5)])]
+    delta = CompletionDelta(1, [5], "x", logprobs, "stop", "</s>")
+    last = RequestOutput(
+        "r@2", [1, 2], [delta], 1, True, "failed", "engine_lost", {"first_token": 0.1}, 2, [None]
+    )
+    items = [
+        Routed("replica", "replica/0"),
+        ChannelHello("replica", "replica/0", duplicate=True),
+        last,
+        lost_output("the output channel was closed"),
+        [("r", output("r@0", 7)), ("s", last)],
+    ]
+    for item in items:
+        assert pickle.loads(pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)) == item
