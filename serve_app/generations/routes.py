@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve_app import errors
@@ -29,6 +29,7 @@ from serve_app.config.options import ServeConfig
 from serve_app.generations.admission import GenerationAdmission, conversation_not_found
 from serve_app.generations.conversations import ConversationsAPI
 from serve_app.generations.protocol import GenerationCreate, parse_body
+from serve_app.protocol.event_stream import EventStreamResponse
 from serve_app.resources.conversations import stale_revision
 from serve_app.resources.idempotency import HEADER as IDEMPOTENCY_HEADER
 from serve_app.resources.idempotency import REPLAYED_HEADER, idempotency_key, key_reused
@@ -156,7 +157,7 @@ class GenerationsAPI:
             return JSONResponse(resource_json(record), status_code=202, headers=location)
         if req.execution == "stream":
             sub = live.subscribers[0]
-            return StreamingResponse(
+            return EventStreamResponse(
                 self._sse(live, sub, resource_json(record)),
                 media_type="text/event-stream",
                 headers={**location, "Cache-Control": "no-cache"},

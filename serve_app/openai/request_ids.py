@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from serve_app import errors
 from serve_app.access import client_json
 from serve_app.openai.streaming import DONE, sse
+from serve_app.protocol.event_stream import EventStreamResponse
 
 HEADER = "x-request-id"
 MAX_ID_CHARS = 256
@@ -147,7 +148,7 @@ class RequestIds:
         headers["x-replayed"] = "true"
         if not stream:
             return JSONResponse(result, headers=headers)
-        return StreamingResponse(
+        return EventStreamResponse(
             _replay_chunks(result, include_usage), media_type="text/event-stream", headers=headers
         )
 

@@ -8,7 +8,7 @@ import logging
 import uuid
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from actors.outputs import RequestOutput
 from serve_app import errors
@@ -25,6 +25,7 @@ from serve_app.openai.stream import collect_body, engine_error, record_cancel, s
 from serve_app.openai.token_text import load_token_texts
 from serve_app.parsers.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.protocol import parse_request
+from serve_app.protocol.event_stream import EventStreamResponse
 from serve_app.protocol.parsing import check_token_ids
 from serve_app.workers.merged_outputs import merged_outputs
 from serve_app.workers.output_channel import EngineChannels, Mailbox
@@ -148,7 +149,7 @@ class OpenAIHandlers:
         job.formatter.prompt_logprobs = [first.prompt_logprobs for first in firsts]
         merged = merged_outputs(streams, boxes, firsts, job.deadline, self.channels)
         if job.req.stream:
-            return StreamingResponse(
+            return EventStreamResponse(
                 stream_sse(merged, job), media_type="text/event-stream", headers=headers
             )
         try:

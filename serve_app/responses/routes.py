@@ -27,13 +27,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from actors.outputs import RequestOutput
 from serve_app import errors
 from serve_app.access.keys import principal_of
 from serve_app.config.options import ServeConfig
+from serve_app.protocol.event_stream import EventStreamResponse
 from serve_app.resources.idempotency import HEADER as IDEMPOTENCY_HEADER
 from serve_app.resources.idempotency import REPLAYED_HEADER, idempotency_key, key_reused
 from serve_app.resources.item_pages import item_page
@@ -137,7 +138,7 @@ class ResponsesAPI:
             raise
         run = ResponseRun(admitted, self.object_of(admitted), self._save)
         if req.stream:
-            return StreamingResponse(
+            return EventStreamResponse(
                 self._sse(run, first, gen),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
@@ -158,7 +159,7 @@ class ResponsesAPI:
             return JSONResponse(record.data["response"])
         after = _starting_after(request.query_params.get("starting_after"))
         events = self.runner.follow(record.tenant, record.id, after)
-        return StreamingResponse(
+        return EventStreamResponse(
             (sse(event) async for event in events),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
@@ -224,7 +225,7 @@ class ResponsesAPI:
         events = await self.runner.start(admitted)
         rid = admitted.response_id
         if admitted.req.stream:
-            return StreamingResponse(
+            return EventStreamResponse(
                 (sse(event) async for event in self.runner.follow(admitted.tenant, rid, -1)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
