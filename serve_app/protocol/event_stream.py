@@ -3,12 +3,13 @@
 Starlette's `StreamingResponse` under an ASGI server older than spec 2.4 (uvicorn says 2.3,
 Serve's proxy and its direct ingress run uvicorn) streams in one task and waits for the
 client's disconnect in another, inside an anyio task group, and cancels the group's scope
-when either ends: 107 µs of CPU per response, most of it anyio's cancel machinery (its cancel
-reason formats the task's repr, down to its callbacks' source lines). The same two tasks in
-plain asyncio cost 26 µs (`benchmarks/event_stream.py`). The contract is Starlette's: the body streams
-until it ends or the client disconnects, whichever comes first; a disconnect cancels the
-body's task (its generators' `finally` blocks abort the engine request) and the response
-ends once that cancel has run; an error in the body propagates.
+when either ends: 107 µs of CPU per response, most of it anyio's cancel machinery (its
+cancel reason formats the task's repr, down to its callbacks' source lines). The same two
+tasks in plain asyncio cost 26 µs (`benchmarks/event_stream.py`). The contract is
+Starlette's: the body streams until it ends or the client disconnects, whichever comes
+first; a disconnect cancels the body's task (its generators' `finally` blocks abort the
+engine request) and the response ends once that cancel has run; an error in the body
+propagates.
 """
 
 from __future__ import annotations
