@@ -50,14 +50,16 @@ def turn(url: str, cid: str, revision: int, **extra) -> httpx.Response:
 
 def completed_turn(url: str, cid: str, revision: int) -> dict:
     """Turns until one completes (a refused or cut-off turn leaves the history as it was)."""
+    seen = []
     for _ in range(20):
         res = turn(url, cid, revision).json()
         assert res["conversation"] == {"id": cid, "expected_revision": revision}
         if res["status"] == "completed":
             return res
+        seen.append((res["status"], res.get("finish_reason"), res.get("error")))
         conv = httpx.get(f"{url}/v1/conversations/{cid}").json()
         assert conv["revision"] == revision and conv["pending_generation"] is None
-    raise AssertionError("no turn completed in 20 tries")
+    raise AssertionError(f"no turn completed in 20 tries: {seen}")
 
 
 # ------------------------------------------------------------ the official client
