@@ -1,11 +1,21 @@
-"""What one Serve streaming hop costs per item: a producer deployment yields engine-sized
-outputs (`RequestOutput`) as fast as a consumer deployment reads them, over Serve's default
-transport (Ray actor calls) and over its gRPC transport, side by side in one run. Reports
-items/s and the CPU each side's process spent per item.
+"""What one Serve hop costs: per item of a stream, and per call.
+
+- Per item: a producer deployment yields engine-sized outputs (`RequestOutput`) as fast as a
+  consumer deployment reads them.
+- Per call: 16 tasks of the consumer call the producer back to back, a unary call (one small
+  reply) and a streamed one (two outputs, as an engine call that says where it was routed and
+  then gives its first output). This is what each request pays for each handle call,
+  whatever it carries.
+
+Over Serve's default transport (Ray actor calls), its gRPC transport, and the gRPC transport
+with the rest of the settings the served path runs with (`serve_app.ray_env.SETTINGS`: the
+router and user code on the replica's own loop, metrics exported once a second), side by
+side in one run. Reports calls or items per second and the CPU each side's process spent per
+call or item, its idle rate (measured for 3 s before) subtracted.
 
     .venv/bin/python benchmarks/serve_hop.py --out benchmarks/results/serve_hop.json
 
-Each transport runs in a fresh Ray of its own (Serve reads the setting when Ray starts).
+Each transport runs in a fresh Ray of its own (Serve reads the settings when Ray starts).
 """
 
 from __future__ import annotations
@@ -19,10 +29,18 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import write_json  # noqa: E402
+from common import cpu_model, write_json  # noqa: E402
 
-TRANSPORTS = {"actor_calls": {}, "grpc": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}}
+from serve_app import ray_env  # noqa: E402
+
+TRANSPORTS = {
+    "actor_calls": {},
+    "grpc": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"},
+    "served_settings": dict(ray_env.SETTINGS),
+}
 STREAMS = (1, 16)
+CALLERS = 16
+IDLE_S = 3.0
 
 
 class Producer:
@@ -37,11 +55,53 @@ class Producer:
             if i % 16 == 15:
                 await asyncio.sleep(0)
 
+    async def unary(self, x: int) -> int:
+        return x
+
+    async def routed(self):
+        from actors.outputs import RequestOutput
+
+        yield RequestOutput("r", [], [], 0, False)
+        yield RequestOutput("r", [], [], 0, True)
+
 
 class Consumer:
     def __init__(self, producer):
         self.producer = producer
         self.stream = producer.options(stream=True)
+
+    async def idle(self, seconds: float) -> tuple[float, float]:
+        """CPU seconds per second of each side's process while nothing is asked of it."""
+        producer_cpu = await self.producer.cpu_s.remote()
+        cpu = time.process_time()
+        await asyncio.sleep(seconds)
+        producer_cpu = await self.producer.cpu_s.remote() - producer_cpu
+        return producer_cpu / seconds, (time.process_time() - cpu) / seconds
+
+    async def calls(self, kind: str, num_calls: int, idle: tuple[float, float]) -> dict:
+        producer_cpu = await self.producer.cpu_s.remote()
+        cpu, start = time.process_time(), time.perf_counter()
+
+        async def caller(n: int) -> None:
+            for _ in range(n):
+                if kind == "unary":
+                    await self.producer.unary.remote(1)
+                else:
+                    async for _ in self.stream.routed.remote():
+                        pass
+
+        await asyncio.gather(*(caller(num_calls // CALLERS) for _ in range(CALLERS)))
+        wall = time.perf_counter() - start
+        producer_cpu = await self.producer.cpu_s.remote() - producer_cpu
+        consumer_cpu = time.process_time() - cpu
+        return {
+            "call": kind,
+            "callers": CALLERS,
+            "calls": num_calls,
+            "calls_per_s": num_calls / wall,
+            "producer_cpu_us_per_call": (producer_cpu - idle[0] * wall) / num_calls * 1e6,
+            "consumer_cpu_us_per_call": (consumer_cpu - idle[1] * wall) / num_calls * 1e6,
+        }
 
     async def run(self, num_streams: int, items_per_stream: int) -> dict:
         producer_cpu = await self.producer.cpu_s.remote()
@@ -65,8 +125,10 @@ class Consumer:
         }
 
 
-def measure(items: int) -> list[dict]:
-    """In this process: one Ray, one Serve app, every stream count."""
+async def measure(items: int, calls: int) -> dict:
+    """In this process: one Ray, one Serve app, every stream count and both kinds of call.
+    (Awaited in an event loop: under the served settings a handle's router runs on its
+    caller's loop.)"""
     import ray
     from ray import serve
 
@@ -75,26 +137,38 @@ def measure(items: int) -> list[dict]:
         producer = serve.deployment(Producer, max_ongoing_requests=100).bind()
         consumer = serve.deployment(Consumer, max_ongoing_requests=100).bind(producer)
         handle = serve.run(consumer, name="hop", route_prefix=None)
-        handle.run.remote(16, 100).result()  # warm-up
-        return [handle.run.remote(s, items // s).result() for s in STREAMS]
+        await handle.run.remote(16, 100)  # warm-up
+        streams = [await handle.run.remote(s, items // s) for s in STREAMS]
+        idle = await handle.idle.remote(IDLE_S)
+        per_call = []
+        for kind in ("unary", "streamed_2_items"):
+            await handle.calls.remote(kind, CALLERS * 10, idle)  # warm-up
+            per_call.append(await handle.calls.remote(kind, calls, idle))
+        return {
+            "streams": streams,
+            "calls": per_call,
+            "idle_cpu_ms_per_s": {"producer": idle[0] * 1e3, "consumer": idle[1] * 1e3},
+        }
     finally:
-        serve.shutdown()
+        await serve.shutdown_async()
         ray.shutdown()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=4000)
+    parser.add_argument("--calls", type=int, default=3200)
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.items)))
+        print(json.dumps(asyncio.run(measure(args.items, args.calls))))
         return
-    result: dict = {"items": args.items}
+    result: dict = {"items": args.items, "calls": args.calls, "cpu": cpu_model()}
     for name, env in TRANSPORTS.items():
         child = subprocess.run(
-            [sys.executable, __file__, "--child", "--items", str(args.items)],
+            [sys.executable, __file__, "--child", "--items", str(args.items)]
+            + ["--calls", str(args.calls)],
             env={**os.environ, **env},
             capture_output=True,
             text=True,
