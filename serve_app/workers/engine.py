@@ -116,18 +116,18 @@ class EngineService:
         key = request.flow_key
         # Tracked from the first output on: the engine knows the request by then.
         tracked = False
-        # Asked for a channel: say whether this replica has it open; if so, every output
-        # after the first goes into it (serve_app/workers/output_channel.py).
+        # Asked for a channel: the first output says whether this replica has it open; if
+        # so, every later output goes into it (serve_app/workers/output_channel.py).
         box = self.channels.attach(request.channel)
-        if request.channel is not None:
-            yield Routed(self.replica_id, box.instance if box is not None else None)
         try:
             first = True
             async for out in self.timelines.watch(request, outputs):
                 if key is not None and not tracked and not out.finished:
                     self.flow.track(key, request.request_id)
                     tracked = True
-                if box is None or first:
+                if first and request.channel is not None:
+                    yield Routed(self.replica_id, box.instance if box is not None else None, out)
+                elif box is None or first:
                     yield out
                 else:
                     await self.channels.push(box, request.request_id, out)

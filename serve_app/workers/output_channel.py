@@ -8,11 +8,13 @@ as one item instead:
 - Each request is still its own Serve call (`EngineService.generate`): Serve's router picks
   its replica, its first output decides the status, cancelling the call aborts it within one
   step, and a replica that dies fails the call.
-- A request that names its ingress's channel (`EngineRequest.channel`) first gets a `Routed`
-  item saying which replica took it and whether that replica has this ingress's channel open.
-  If it has, the request's later outputs go into the channel (`ChannelHub.push`), in order,
-  its last one included; the call itself yields nothing more and ends with the request.
-  Otherwise they come on the call as before.
+- A request that names its ingress's channel (`EngineRequest.channel`) gets its first output
+  in a `Routed` item, which also says which replica took it and whether that replica has this
+  ingress's channel open: one item, where every item of a Serve call costs both processes
+  its own gRPC message (`benchmarks/serve_hop.py`). If the channel is open, the request's
+  later outputs go into it (`ChannelHub.push`), in order, its last one included; the call
+  itself yields nothing more and ends with the request. Otherwise they come on the call as
+  before.
 - The ingress opens a channel (`EngineService.channel`, a streamed call Serve routes like any
   other) when a request of its came back unchannelled; a channel that lands on a replica that
   has one from the same ingress already ends at once (`ChannelHello.duplicate`). A channel with
@@ -54,11 +56,12 @@ MAX_ENDED = 1024
 
 @dataclass
 class Routed:
-    """A channel-naming request's first item: the replica that took it, and the channel its
-    later outputs come on (None: they come on the request's own call)."""
+    """A channel-naming request's first item: the replica that took it, the channel its later
+    outputs come on (None: they come on the request's own call), and its first output."""
 
     replica_id: str
     channel_instance: str | None
+    first: RequestOutput | None = None
 
 
 @dataclass
@@ -261,12 +264,12 @@ class EngineChannels:
             box.fail("the output channel was closed")
 
     async def first_output(self, gen: Any, box: Mailbox) -> RequestOutput:
-        """A channel-naming call's first output, once its `Routed` item said where the
-        later ones come."""
+        """A channel-naming call's first output, from its `Routed` item (which says where the
+        later ones come)."""
         out = await gen.__anext__()
         if isinstance(out, Routed):
             self.routed(box, out)
-            out = await gen.__anext__()
+            out = out.first if out.first is not None else await gen.__anext__()
         return out
 
     def release(self, request_id: str) -> None:

@@ -117,6 +117,82 @@ def test_outputs_that_arrive_before_the_reader_attaches_wait_for_it() -> None:
     asyncio.run(main())
 
 
+class OneItemCall:
+    """A request's call that yields `items` and fails if read past them."""
+
+    def __init__(self, items: list) -> None:
+        self.items = list(items)
+
+    async def __anext__(self):
+        if not self.items:
+            raise AssertionError("read past the call's items")
+        return self.items.pop(0)
+
+
+def test_the_first_output_rides_in_the_routed_item() -> None:
+    """Every item of a Serve call costs both processes a gRPC message: a channelled request's
+    call carries one, `Routed` with its first output, and the ingress reads no more of it."""
+
+    async def main() -> None:
+        hub = ChannelHub("replica-a", capacity=64)
+        channels = EngineChannels(FakeEngine(hub))
+        await open_channel(channels)
+        mailbox = channels.expect("r1")
+        box = hub.attach(channels.channel_id)
+        first = output("r1", 0)
+        out = await channels.first_output(
+            OneItemCall([Routed("replica-a", box.instance, first)]), mailbox
+        )
+        assert out is first and mailbox.instance == box.instance
+        channels.close()
+
+    asyncio.run(main())
+
+
+def test_a_channelled_call_yields_one_item_and_the_rest_go_into_the_channel() -> None:
+    """The engine replica's side (`EngineService.generate`) over a stand-in engine."""
+    from types import SimpleNamespace
+
+    from actors.messages import EngineRequest
+    from actors.sampling_params import SamplingParams
+    from serve_app.workers.engine import EngineService
+
+    async def engine_outputs(request_id, *args, **kwargs):
+        for i in range(4):
+            yield output(request_id, i, finished=i == 3)
+
+    async def watch(request, outputs):
+        async for out in outputs:
+            yield out
+
+    async def main() -> None:
+        hub = ChannelHub("replica-a", capacity=64)
+        channel = hub.serve("ingress-1")
+        hello = await channel.__anext__()
+        service = SimpleNamespace(
+            engine=SimpleNamespace(generate=engine_outputs),
+            timelines=SimpleNamespace(watch=watch),
+            flow=None,
+            channels=hub,
+            replica_id="replica-a",
+        )
+        request = EngineRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4), channel="ingress-1")
+        items = [item async for item in EngineService.generate(service, request)]
+        assert len(items) == 1 and isinstance(items[0], Routed)
+        assert items[0].channel_instance == hello.instance
+        assert items[0].first.deltas[0].token_ids == [0]
+        batch = await channel.__anext__()
+        assert [(r, o.deltas[0].token_ids[0]) for r, o in batch] == [
+            ("r1", 1),
+            ("r1", 2),
+            ("r1", 3),
+        ]
+        assert batch[-1][1].finished
+        await channel.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_second_channel_from_the_same_ingress_ends_at_once() -> None:
     async def main() -> None:
         hub = ChannelHub("replica-a", capacity=8)
@@ -265,7 +341,7 @@ def test_what_the_engine_replica_sends_round_trips_through_plain_pickle() -> Non
         "r@2", [1, 2], [delta], 1, True, "failed", "engine_lost", {"first_token": 0.1}, 2, [None]
     )
     items = [
-        Routed("replica", "replica/0"),
+        Routed("replica", "replica/0", output("r@0", 7)),
         ChannelHello("replica", "replica/0", duplicate=True),
         last,
         lost_output("the output channel was closed"),
