@@ -3,9 +3,9 @@
 - Per item: a producer deployment yields engine-sized outputs (`RequestOutput`) as fast as a
   consumer deployment reads them.
 - Per call: 16 tasks of the consumer call the producer back to back, a unary call (one small
-  reply) and a streamed one (two outputs, as an engine call that says where it was routed and
-  then gives its first output). This is what each request pays for each handle call,
-  whatever it carries.
+  reply) and streamed ones of one and of two outputs (an engine call that gives its first
+  output with where it was routed, or after it). This is what each request pays for each
+  handle call, whatever it carries.
 
 Over Serve's default transport (Ray actor calls), its gRPC transport, and the gRPC transport
 with the rest of the settings the served path runs with (`serve_app.ray_env.SETTINGS`: the
@@ -40,6 +40,9 @@ TRANSPORTS = {
 }
 STREAMS = (1, 16)
 CALLERS = 16
+# Streamed calls by their number of items: an engine call that says where it was routed and
+# then gives its first output (two), or both in one item (one).
+STREAMED = {"streamed_1_item": 1, "streamed_2_items": 2}
 IDLE_S = 3.0
 
 
@@ -58,11 +61,11 @@ class Producer:
     async def unary(self, x: int) -> int:
         return x
 
-    async def routed(self):
+    async def routed(self, num_items: int):
         from actors.outputs import RequestOutput
 
-        yield RequestOutput("r", [], [], 0, False)
-        yield RequestOutput("r", [], [], 0, True)
+        for i in range(num_items):
+            yield RequestOutput("r", [], [], 0, i == num_items - 1)
 
 
 class Consumer:
@@ -87,7 +90,7 @@ class Consumer:
                 if kind == "unary":
                     await self.producer.unary.remote(1)
                 else:
-                    async for _ in self.stream.routed.remote():
+                    async for _ in self.stream.routed.remote(STREAMED[kind]):
                         pass
 
         await asyncio.gather(*(caller(num_calls // CALLERS) for _ in range(CALLERS)))
@@ -141,7 +144,7 @@ async def measure(items: int, calls: int) -> dict:
         streams = [await handle.run.remote(s, items // s) for s in STREAMS]
         idle = await handle.idle.remote(IDLE_S)
         per_call = []
-        for kind in ("unary", "streamed_2_items"):
+        for kind in ("unary", *STREAMED):
             await handle.calls.remote(kind, CALLERS * 10, idle)  # warm-up
             per_call.append(await handle.calls.remote(kind, calls, idle))
         return {
