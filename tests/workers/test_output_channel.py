@@ -64,6 +64,15 @@ async def open_channel(channels: EngineChannels) -> None:
     raise AssertionError("the channel never opened")
 
 
+async def one_request(request_id: str):
+    """An engine replica's hub with this ingress's channel open, and one request of it:
+    (hub, channels, the request's mailbox, the request's outbox)."""
+    hub = ChannelHub("replica-a", capacity=64)
+    channels = EngineChannels(FakeEngine(hub))
+    await open_channel(channels)
+    return hub, channels, channels.expect(request_id), hub.attach(channels.channel_id)
+
+
 def collector() -> tuple[list[RequestOutput], callable]:
     got: list[RequestOutput] = []
     return got, got.append
@@ -100,11 +109,7 @@ def test_outputs_of_many_requests_arrive_in_order_and_complete() -> None:
 
 def test_outputs_that_arrive_before_the_reader_attaches_wait_for_it() -> None:
     async def main() -> None:
-        hub = ChannelHub("replica-a", capacity=64)
-        channels = EngineChannels(FakeEngine(hub))
-        await open_channel(channels)
-        mailbox = channels.expect("r1")
-        box = hub.attach(channels.channel_id)
+        hub, channels, mailbox, box = await one_request("r1")
         for i in range(3):
             await hub.push(box, "r1", output("r1", i, finished=i == 2))
         await asyncio.sleep(0.05)  # delivered before the call said `Routed`
@@ -134,11 +139,7 @@ def test_the_first_output_rides_in_the_routed_item() -> None:
     call carries one, `Routed` with its first output, and the ingress reads no more of it."""
 
     async def main() -> None:
-        hub = ChannelHub("replica-a", capacity=64)
-        channels = EngineChannels(FakeEngine(hub))
-        await open_channel(channels)
-        mailbox = channels.expect("r1")
-        box = hub.attach(channels.channel_id)
+        _, channels, mailbox, box = await one_request("r1")
         first = output("r1", 0)
         out = await channels.first_output(
             OneItemCall([Routed("replica-a", box.instance, first)]), mailbox
