@@ -127,7 +127,7 @@ class EngineService:
                     tracked = True
                 if first and request.channel is not None:
                     yield Routed(self.replica_id, box.instance if box is not None else None, out)
-                elif box is None or first:
+                elif box is None:  # unchannelled (a request naming no channel has no box)
                     yield out
                 else:
                     await self.channels.push(box, request.request_id, out)

@@ -61,7 +61,7 @@ class Routed:
 
     replica_id: str
     channel_instance: str | None
-    first: RequestOutput | None = None
+    first: RequestOutput
 
 
 @dataclass
@@ -269,7 +269,7 @@ class EngineChannels:
         out = await gen.__anext__()
         if isinstance(out, Routed):
             self.routed(box, out)
-            out = out.first if out.first is not None else await gen.__anext__()
+            out = out.first
         return out
 
     def release(self, request_id: str) -> None:

@@ -79,7 +79,7 @@ def merged(call: Call, channel_instance: str | None = None):
     channels = EngineChannels(engine=None)
     box = channels.expect("r")
     if channel_instance is not None:
-        channels.routed(box, Routed("replica-a", channel_instance))
+        channels.routed(box, Routed("replica-a", channel_instance, step(0)))
     return merged_outputs([call], [box], [step(0)], None, channels)
 
 

@@ -246,7 +246,7 @@ def test_a_channel_batch_of_one_request_leaves_as_one_event():
     async def go() -> list[dict | str]:
         channels = EngineChannels(engine=None)
         box = channels.expect("r")
-        channels.routed(box, Routed("replica-1", "replica-1/0"))
+        channels.routed(box, Routed("replica-1", "replica-1/0", steps[0]))
         call = PacedStream()
         call.queue.put_nowait(None)  # a channelled call yields nothing more
         merged = merged_outputs([call], [box], [steps[0]], None, channels)

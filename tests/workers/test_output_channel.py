@@ -88,7 +88,7 @@ def test_outputs_of_many_requests_arrive_in_order_and_complete() -> None:
             boxes[r] = channels.expect(r)
             box = hub.attach(channels.channel_id)
             assert box is not None
-            channels.routed(boxes[r], Routed("replica-a", box.instance))
+            channels.routed(boxes[r], Routed("replica-a", box.instance, output(r, 0)))
             got[r], deliver = collector()
             boxes[r].attach(deliver)
             for i in range(5):
@@ -113,7 +113,7 @@ def test_outputs_that_arrive_before_the_reader_attaches_wait_for_it() -> None:
         for i in range(3):
             await hub.push(box, "r1", output("r1", i, finished=i == 2))
         await asyncio.sleep(0.05)  # delivered before the call said `Routed`
-        channels.routed(mailbox, Routed("replica-a", box.instance))
+        channels.routed(mailbox, Routed("replica-a", box.instance, output("r1", 0)))
         got, deliver = collector()
         mailbox.attach(deliver)
         assert [o.deltas[0].token_ids[0] for o in got] == [0, 1, 2]
@@ -267,7 +267,7 @@ def test_a_channel_that_ends_fails_its_waiting_requests_as_engine_lost() -> None
         await open_channel(channels)
         mailbox = channels.expect("r1")
         box = hub.attach(channels.channel_id)
-        channels.routed(mailbox, Routed("replica-a", box.instance))
+        channels.routed(mailbox, Routed("replica-a", box.instance, output("r1", 0)))
         got, deliver = collector()
         mailbox.attach(deliver)
         await hub.push(box, "r1", output("r1", 0))
@@ -278,7 +278,7 @@ def test_a_channel_that_ends_fails_its_waiting_requests_as_engine_lost() -> None
         assert got[-1].finished and got[-1].error_code == "engine_lost"
         # A request routed to that channel after it ended fails at once, never waits.
         late = channels.expect("r2")
-        channels.routed(late, Routed("replica-a", box.instance))
+        channels.routed(late, Routed("replica-a", box.instance, output("r2", 0)))
         late_got, deliver = collector()
         late.attach(deliver)
         assert late_got and late_got[0].error_code == "engine_lost"
@@ -292,7 +292,7 @@ def test_an_unchannelled_request_opens_one_channel_at_a_time() -> None:
         engine = FakeEngine(hub)
         channels = EngineChannels(engine)
         for r in ("r1", "r2", "r3"):
-            channels.routed(channels.expect(r), Routed("replica-a", None))
+            channels.routed(channels.expect(r), Routed("replica-a", None, output(r, 0)))
         await asyncio.sleep(0.05)
         assert engine.opened == 1 and "replica-a" in channels.replicas
         channels.close()
@@ -318,7 +318,7 @@ def test_a_channel_is_no_child_of_the_request_that_opened_it() -> None:
 
         async def request() -> None:
             REQUEST.set("the request that came back unchannelled")
-            channels.routed(channels.expect("r1"), Routed("replica-a", None))
+            channels.routed(channels.expect("r1"), Routed("replica-a", None, output("r1", 0)))
 
         await asyncio.create_task(request())
         for _ in range(100):
