@@ -37,13 +37,12 @@ def load_tokenizer_info(model_path: str | Path) -> xgr.TokenizerInfo:
     The stop tokens are the ids the engine stops on: xgrammar would otherwise take a chat
     end-of-turn token (ChatML `<|im_end|>`) for text and admit it mid-value, where the engine
     would end the output half-written."""
-    from transformers import AutoTokenizer
-
     from actors.config import _eos_token_ids
+    from actors.tokenizer_file import load_tokenizer
 
     path = Path(model_path)
     raw = json.loads((path / "config.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     stop_ids = list(_eos_token_ids(path, raw)) or None  # None: xgrammar detects them
     return xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=raw["vocab_size"], stop_token_ids=stop_ids

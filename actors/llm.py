@@ -25,18 +25,13 @@ from actors.executor import ExecutorError
 from actors.outputs import CompletionOutput, GenerationResult
 from actors.platform import resolve_dtype
 from actors.sampling_params import SamplingParams
+from actors.tokenizer_file import load_tokenizer
 
 Prompt = str | list[int]
 
 
 class LLMClosedError(RuntimeError):
     """The LLM was closed: its model, KV cache and ranks are gone."""
-
-
-def load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 class LLM:

@@ -11,6 +11,7 @@ from ray.serve import Application
 
 from actors.executor.ray_tp import bundles_use_gpu, rank_bundles
 from actors.platform import default_block_size
+from actors.tokenizer_file import load_tokenizer
 from serve_app import ray_env
 from serve_app.checkpoints.chat_templates import renders_tools, resolve_chat_template
 from serve_app.checkpoints.identity import artifact_identity
@@ -85,10 +86,8 @@ def cpu_actor_options(config: ServeConfig) -> dict[str, Any]:
 
 
 def served_identity(config: ServeConfig, grammar_identity: dict[str, Any]) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     model_config = build_model_config(config)
-    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    tokenizer = load_tokenizer(config.model)
     template = resolve_chat_template(config.chat_template, tokenizer.chat_template)
     tokenizer.chat_template = template.text
     identity = artifact_identity(config.model, template.text, extra=grammar_identity)

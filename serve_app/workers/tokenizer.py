@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ray import serve
-from transformers import AutoTokenizer
 
+from actors.tokenizer_file import load_tokenizer
 from serve_app import errors
 from serve_app.checkpoints.chat_templates import (
     CHECKPOINT_LABEL,
@@ -21,7 +21,7 @@ from serve_app.checkpoints.prompt_encoding import PromptEncoder, UnsafePromptErr
 
 class TokenizerService:
     def __init__(self, model_path: str, template: ChatTemplate | None = None):
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = load_tokenizer(model_path)
         if template is not None and template.text is not None:
             self.tokenizer.chat_template = template.text
         self.template = template or ChatTemplate(self.tokenizer.chat_template, CHECKPOINT_LABEL)
