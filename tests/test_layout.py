@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.fresh_python import run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("actors", "serve_app")
 
@@ -292,11 +294,7 @@ def test_the_ingress_imports_neither_torch_nor_xgrammar():
         + "".join(f"import {m}\n" for m in INGRESS_MODULES)
         + "print(sorted(m for m in ('torch', 'xgrammar', 'transformers') if m in sys.modules))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert run_python(code) == "[]"
 
 
 @pytest.fixture(scope="module")

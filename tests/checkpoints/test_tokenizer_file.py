@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from actors.tokenizer_file import load_tokenizer, loads_directly
+from tests.support.fresh_python import run_python
 
 TEXTS = [
     "Hello, world! Ünïcödé ✓ 数字 123",
@@ -113,13 +112,4 @@ def test_the_tokenizer_replica_loads_its_tokenizer_without_torch(model_dirs):
         "assert ids, ids\n"
         "print('torch' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False", "the tokenizer replica imported torch"
+    assert run_python(code) == "False", "the tokenizer replica imported torch"

@@ -5,8 +5,6 @@ computed by transformers stay there."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from actors.layers.rotary import inv_freq_and_scale
+from tests.support.fresh_python import run_python
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -78,13 +77,4 @@ def test_a_llama3_scaled_engine_builds_without_transformers_configs(model_dirs):
         "inv_freq_and_scale(config.path, config.head_dim, config.rope_parameters)\n"
         "print('transformers.configuration_utils' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"
+    assert run_python(code) == "False"
