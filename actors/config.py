@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch at run time only where weights load: a driver's check reads JSON
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -51,7 +52,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    dtype: torch.dtype = torch.float32
+    # The weights' dtype; None for a config only read to check it (a batch job's driver).
+    dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -72,7 +74,7 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, dtype: torch.dtype, max_model_len: int | None = None
+        cls, path: str | Path, *, dtype: torch.dtype | None, max_model_len: int | None = None
     ) -> ModelConfig:
         path = Path(path)
         config_file = path / "config.json"

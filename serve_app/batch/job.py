@@ -196,15 +196,14 @@ def _check_sizes(**sizes: int) -> None:
 
 
 def _check_model(model: str, tp: int) -> None:
-    """Fail here, naming the problem, rather than in every engine actor's constructor."""
-    import torch
-
+    """Fail here, naming the problem, rather than in every engine actor's constructor. The
+    config is only read (no dtype): the driver never imports torch."""
     from actors.config import ModelConfig, check_tensor_parallel
 
     if not (Path(model) / "config.json").is_file():
         raise BatchInputError(f"model: {model} has no config.json")
     try:
-        config = ModelConfig.from_pretrained(model, dtype=torch.float32)
+        config = ModelConfig.from_pretrained(model, dtype=None)
     except (KeyError, ValueError) as exc:
         raise BatchInputError(f"model: {model}: {exc}") from None
     check_tensor_parallel(config, tp)

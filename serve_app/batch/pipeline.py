@@ -60,8 +60,6 @@ def build_dataset(
     import ray
     import ray.data
 
-    from serve_app.batch.engine import BatchEngine
-
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
     if nodes > 1 and "://" not in out.uri:
         logger.warning(
@@ -88,7 +86,7 @@ def build_dataset(
         # name `map_batches(..., max_restarts=0)` as the way to turn restarts off.
         warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
         return ds.map_batches(
-            BatchEngine,
+            EngineActor,
             fn_constructor_args=(spec.model,),
             fn_constructor_kwargs=spec.engine_kwargs,
             compute=ray.data.ActorPoolStrategy(size=spec.concurrency),
@@ -102,6 +100,20 @@ def build_dataset(
             # disk, and a lost actor ends the job with the rest left for --resume.
             max_restarts=0,
         )
+
+
+class EngineActor:
+    """Ray Data's actor class for the pool: a `BatchEngine`, imported and built in the actor.
+    The driver hands Ray Data this class only, so it never imports the engine (torch,
+    xgrammar and transformers: seconds of a job's start)."""
+
+    def __init__(self, model: str, **kwargs: Any):
+        from serve_app.batch.engine import BatchEngine
+
+        self.engine = BatchEngine(model, **kwargs)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return self.engine(batch)
 
 
 @contextmanager

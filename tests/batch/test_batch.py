@@ -18,6 +18,7 @@ import pytest
 from serve_app.batch.job import BatchDefaults, BatchInputError, run_batch
 from serve_app.batch.parquet_io import OUTPUT_SCHEMA, OutputDir, compact, scan_results
 from serve_app.cli import main
+from tests.support.fresh_python import run_python
 
 SCHEMA = {
     "type": "object",
@@ -328,6 +329,19 @@ def test_model_problems_fail_before_any_work(tmp_path, model):
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) does not divide"):
         run_batch(inp, tmp_path / "out", model=model, tp=3)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_driver_checks_the_model_and_plans_the_pool_without_importing_the_engine(model):
+    """A job's driver process never pays for torch, xgrammar or transformers: the engine is
+    imported in Ray Data's actors, which build it."""
+    code = (
+        "import sys\n"
+        "from serve_app.batch.job import _check_model\n"
+        "from serve_app.batch.pipeline import EngineActor\n"
+        f"_check_model({model!r}, 1)\n"
+        "print(sorted(m for m in ('torch', 'xgrammar', 'transformers') if m in sys.modules))\n"
+    )
+    assert run_python(code) == "[]"
 
 
 # ----------------------------------------------------------- the engine callable
