@@ -27,7 +27,7 @@ from tests.backpressure.test_proxy_backpressure import (
     wait_for,
 )
 from tests.server.test_serve_start_stop import serve_env, short_ray_dir, start_serve
-from tests.support.ports import free_listen_port
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(900)]
 
@@ -57,7 +57,7 @@ def direct(model_dirs, tmp_path_factory):
         )
     )
     # Below the ephemeral range: the replica binds without SO_REUSEADDR (ports.py).
-    port, admin_port = free_listen_port(), free_listen_port()
+    port, admin_port = free_port(), free_port()
     config = {
         "model": str(model_dirs("llama")),
         "served_model_name": MODEL,

@@ -7,16 +7,11 @@ import socket
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_listen_port() -> int:
-    """A free loopback port below the kernel's ephemeral range, for a server that binds it
-    without SO_REUSEADDR (Serve's direct-ingress replica): a port from the ephemeral range
-    can be taken meanwhile as the local port of one of Ray's own outgoing connections, and
-    then that bind fails."""
+    """A free loopback port below the kernel's ephemeral range, for a server a test starts.
+    A port from the ephemeral range (what binding port 0 gives) can be taken, between the
+    pick and the server's bind or after a replaced server released it, as the local port of
+    one of Ray's own outgoing connections; the bind then fails (a redeployed admin replica
+    found its port taken for over 30 s)."""
     low = _ephemeral_low()
     rng = random.Random()
     for _ in range(200):
