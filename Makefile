@@ -105,6 +105,7 @@ bench: $(STAMP) kernels demo-model
 	$(PY) benchmarks/ingress_events.py --out $(R)/ingress_events.json
 	$(PY) benchmarks/channel_wire.py --out $(R)/channel_wire.json
 	$(PY) benchmarks/event_stream.py --out $(R)/event_stream.json
+	$(PY) benchmarks/startup.py --out $(R)/startup.json
 	$(PY) benchmarks/contention.py --model bench --out $(R)/contention_bench.json
 	$(PY) benchmarks/responses.py --out $(R)/responses.json
 	$(PY) benchmarks/response_store_writes.py > $(R)/response_store_writes.json
