@@ -62,7 +62,9 @@ def sample_until(
 
 
 def eos(url: str) -> dict[str, Any]:
-    return sample_until(url, {**REPLY, "max_output_tokens": 400}, "completed")
+    # The random weights can pick EOS as the first token: that generation completes with no
+    # text, and an empty text shows no block. Sample until the ending leaves text to check.
+    return sample_until(url, {**REPLY, "max_output_tokens": 400}, "completed", with_output=True)
 
 
 def value(url: str) -> dict[str, Any]:
