@@ -121,9 +121,9 @@ class _Method:
 
 
 class SteppedEngine:
-    """Stands in for the engine deployment's handle: `generate` says `Routed`, yields the
-    first output on the call and every later one through the output channel, one token per
-    request per step."""
+    """Stands in for the engine deployment's handle: `generate` says `Routed` with the first
+    output and sends every later one through the output channel, one token per request per
+    step."""
 
     def __init__(self, step_s: float) -> None:
         from serve_app.workers.output_channel import ChannelHub
@@ -162,8 +162,8 @@ class SteppedEngine:
         from serve_app.workers.output_channel import Routed
 
         box = self.hub.attach(req.channel)
-        yield Routed("stand-in", box.instance if box is not None else None)
-        yield RequestOutput(req.request_id, req.prompt_token_ids, [_delta(0, False)], 0, False)
+        first = RequestOutput(req.request_id, req.prompt_token_ids, [_delta(0, False)], 0, False)
+        yield Routed("stand-in", box.instance if box is not None else None, first)
         if box is None:  # the ingress has no channel open yet: the rest on this call
             for i in range(1, req.params.max_tokens):
                 await asyncio.sleep(self.step_s)
