@@ -26,7 +26,7 @@ from serve_app.openai.token_text import load_token_texts
 from serve_app.parsers.chat_output import PROMPT_TAIL, chat_parse_options
 from serve_app.protocol import parse_request
 from serve_app.protocol.event_stream import EventStreamResponse
-from serve_app.protocol.parsing import check_token_ids
+from serve_app.protocol.parsing import check_token_ids, load_json_object
 from serve_app.workers.merged_outputs import merged_outputs
 from serve_app.workers.output_channel import EngineChannels, Mailbox
 
@@ -60,12 +60,13 @@ class OpenAIHandlers:
         body = await request.body()
         if len(body) > self.config.limits.max_body_bytes:
             raise errors.body_too_large(self.config.limits.max_body_bytes)
-        req = self._parse(body, kind)
+        data = load_json_object(body)  # once: the request and its id's record both read it
+        req = self._parse(data, kind)
         check_request(principal_of(request), req, self.config.limits)
         return await self.request_ids.guard(
             request.headers.get(REQUEST_ID_HEADER),
             principal_of(request).tenant,
-            body,
+            data,
             bool(req.stream),
             req.include_usage,
             lambda record: handler(req, request, record),
@@ -112,8 +113,8 @@ class OpenAIHandlers:
         return await self._respond(job, request)
 
     # ------------------------------------------------------------------- parsing
-    def _parse(self, body: bytes, kind: str):
-        req = parse_request(kind, body)
+    def _parse(self, data: dict, kind: str):
+        req = parse_request(kind, data)
         if req.model != self.config.model_id:
             raise errors.not_found(
                 "model_not_found", f"The model '{errors.echo(req.model)}' does not exist.", "model"

@@ -18,7 +18,7 @@ def clock() -> ManualClock:
     return ManualClock(1000.0)
 
 
-def complete(ids: RequestIds, rid: str, body: bytes = b'{"prompt": "a"}', text: str = "x"):
+def complete(ids: RequestIds, rid: str, body: bytes | dict = b'{"prompt": "a"}', text: str = "x"):
     """One non-streamed attempt of `rid` that completes with `text`; the response it got."""
 
     async def handler(record):
@@ -78,3 +78,23 @@ def test_a_live_attempt_is_never_purged_and_a_different_body_conflicts(clock):
     with pytest.raises(errors.APIError) as other:
         complete(ids, "b", body=b'{"prompt": "other"}')
     assert other.value.status == 409
+
+
+def test_a_retry_is_the_same_request_whatever_its_spelling_or_form(clock):
+    """The record compares bodies as JSON: key order and spacing do not make a new request,
+    the endpoint's already-parsed body is recorded as its bytes would be, any value counts
+    (an integer beyond 64 bits too) and bytes that are not JSON still identify themselves."""
+    ids = RequestIds(retention_s=60, clock=clock)
+    body = {"prompt": [1, 2, 3], "max_tokens": 8, "stop": ["é", "\u2028"], "n": 2**70}
+    complete(ids, "a", body=body, text="first")  # as routes.py hands it over: parsed
+    spelled = b'{ "n": 1180591620717411303424, "stop": ["\\u00e9", "\\u2028"],\n'
+    spelled += b' "max_tokens": 8, "prompt": [1, 2, 3] }'
+    again = complete(ids, "a", body=spelled, text="second")
+    assert again.headers["x-replayed"] == "true" and again.body == b'{"text":"first"}'
+    with pytest.raises(errors.APIError, match="different body"):
+        complete(ids, "a", body={**body, "n": 2**70 + 1})
+
+    complete(ids, "b", body=b"not json", text="raw")
+    assert complete(ids, "b", body=b"not json").body == b'{"text":"raw"}'
+    with pytest.raises(errors.APIError, match="different body"):
+        complete(ids, "b", body=b"not json either")
