@@ -1,10 +1,11 @@
 """Where a server's CPU goes, read from /proc: a process tree's CPU seconds, the Ray Serve
-processes' by role (proxy, ingress, engine replica's loop and step threads, ...), and the
-engine step threads' scheduling (running, waiting for a CPU, off it)."""
+processes' by role (proxy, ingress, engine replica's loop and step threads, ...), busy or
+idle, and the engine step threads' scheduling (running, waiting for a CPU, off it)."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -150,6 +151,25 @@ def serve_cpu_seconds() -> dict[str, float]:
         except (OSError, ValueError):  # a process or thread that ended while read
             continue
     return totals
+
+
+def idle_serve_cpu(seconds: float, background: tuple[str, ...] = BACKGROUND_ROLES) -> dict:
+    """Each Serve role's CPU over `seconds` of an idle server, in ms a second: what its
+    processes spend whether or not a token passes (Ray's and Serve's periodic work).
+    `path_ms_per_s` sums the roles `serving_cpu_per_token` sums."""
+    before, start = serve_cpu_seconds(), time.perf_counter()
+    time.sleep(seconds)
+    after, wall = serve_cpu_seconds(), time.perf_counter() - start
+    by_role = {
+        role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1e3 / wall
+        for role in sorted(set(before) | set(after))
+    }
+    path = [r for r in by_role if r != "engine_step" and r not in background]
+    return {
+        "seconds": wall,
+        "path_ms_per_s": sum(by_role[r] for r in path),
+        "by_role_ms_per_s": by_role,
+    }
 
 
 def step_thread_schedstat() -> dict[str, tuple[int, int]]:

@@ -1,7 +1,8 @@
 """Serving benchmark: the HTTP server under a concurrency sweep; side by side with the engine
 driven directly on the same fresh requests at 16 and 64 streams (interleaved runs, each
-recorded), with the serving path's CPU per output token by process from /proc; the serving
-path's share of an idle server's time to first token; constrained vs unconstrained decode;
+recorded), with the serving path's CPU per output token by process from /proc, and what the
+same processes use on the idle server; the serving path's share of an idle server's time to
+first token; constrained vs unconstrained decode;
 grammar compile cache hit vs miss. Prints JSON; with --out also writes a PNG next to it.
 Engine replica counts are compared by `benchmarks/replicas.py`.
 """
@@ -33,6 +34,7 @@ from common import (  # noqa: E402
     write_json,
 )
 from cpu_accounting import (  # noqa: E402
+    idle_serve_cpu,
     serve_cpu_seconds,
     serving_cpu_per_token,
     step_thread_schedstat,
@@ -50,6 +52,9 @@ HTTP_VS_DIRECT_TARGET = 0.9
 SERVING_CPU_TARGET_MS = 0.15
 TTFT_OVERHEAD_TARGET_MS = 15.0
 COMPARED_LEVELS = (16, 64)
+# The idle server's CPU is read over this long, after the warm-up's output channel has closed.
+IDLE_SETTLE_S = 3.0
+IDLE_READING_S = 10.0
 
 SCHEMA = {
     "type": "object",
@@ -321,13 +326,18 @@ def measure_path_and_sweep(
 ) -> None:
     """The serving path's figures, then (unless --path-only) the sweep, constrained decode and
     compile times, into `result`."""
+    time.sleep(IDLE_SETTLE_S)
+    idle = idle_serve_cpu(IDLE_READING_S)
     overhead = ttft_overhead(url, admin_url, model)
     compared = http_vs_direct(url, model, path, args)
+    # The share of the 64-stream figure the path's processes spend idle over a level as long.
+    idle["path_ms_per_token_at_64"] = idle["path_ms_per_s"] / compared[64]["http_tok_s"]
     result.update(
         {
             "serving_cpu_ms_per_token": compared[64]["serving_cpu_ms_per_token"],
             "serving_cpu_target_ms": SERVING_CPU_TARGET_MS,
             "serving_cpu_breakdown_at_64": compared[64]["cpu_ms_per_token_by_role"],
+            "serving_idle_cpu": idle,
             "serving_ttft_overhead_ms": overhead["p50_ms"],
             "serving_ttft_overhead": overhead,
             "http_vs_direct_at_16": compared[16],
