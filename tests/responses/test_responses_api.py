@@ -195,8 +195,12 @@ def test_stored_responses_tokens_travel_in_the_runners_output_channel(
     client: openai.OpenAI, model_id: str, admin_url: str
 ):
     """A stored response's tokens after its first reach the runner in its output channel,
-    one item per engine wake-up for every running response, not one Serve item per token."""
-    max_tokens, streams = 16, 6
+    one item per engine wake-up for every running response, not one Serve item per token.
+    Long enough that the responses' decodes overlap: each one's admission (template, store
+    writes) can take longer on a loaded machine than 16 tokens of the tiny model do, and
+    responses decoded one after another share no wake-up (a CI run saw 90 outputs in 60
+    items at 16)."""
+    max_tokens, streams = 64, 6
 
     def one(i: int) -> Any:
         return create(client, model_id, input=f"Count to ten, {i}.", max_output_tokens=max_tokens)
