@@ -164,12 +164,17 @@ def idle_serve_cpu(seconds: float, background: tuple[str, ...] = BACKGROUND_ROLE
         role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1e3 / wall
         for role in sorted(set(before) | set(after))
     }
-    path = [r for r in by_role if r != "engine_step" and r not in background]
     return {
         "seconds": wall,
-        "path_ms_per_s": sum(by_role[r] for r in path),
+        "path_ms_per_s": _path_sum(by_role, background),
         "by_role_ms_per_s": by_role,
     }
+
+
+def _path_sum(by_role: dict[str, float], background: tuple[str, ...]) -> float:
+    """The serving path's part of a per-role reading: every role but the engine's step
+    threads and the `background` ones."""
+    return sum(v for r, v in by_role.items() if r != "engine_step" and r not in background)
 
 
 def step_thread_schedstat() -> dict[str, tuple[int, int]]:
@@ -221,8 +226,7 @@ def serving_cpu_per_token(
         role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1e3 / max(tokens, 1)
         for role in sorted(set(before) | set(after))
     }
-    path = [r for r in per if r != "engine_step" and r not in background]
-    return {"serving": sum(per[r] for r in path), "by_role": per}
+    return {"serving": _path_sum(per, background), "by_role": per}
 
 
 # A production-shaped JSON schema for constrained-decode benchmarks: nested objects, enums and
