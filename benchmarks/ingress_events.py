@@ -193,7 +193,9 @@ class _Unused:
         return self
 
 
-def ingress_app(engine: SteppedEngine):
+def ingress_app(engine: SteppedEngine, model: str | None = None):
+    """Our ingress's ASGI app on `engine`, wrapped in the proxy hook's middlewares; `model`
+    (the `bench` checkpoint by default) gives its tokenizer and identity."""
     from serve_app.app import served_identity
     from serve_app.backpressure import proxy_hold
     from serve_app.config.options import ServeConfig
@@ -201,7 +203,7 @@ def ingress_app(engine: SteppedEngine):
 
     # As on a node whose proxy runs the hold: streams carry a flow key, writes are timed.
     os.environ[proxy_hold.CALLBACK_ENV] = proxy_hold.CALLBACK_PATH
-    config = ServeConfig(model=resolve_model("bench").path)
+    config = ServeConfig(model=model or resolve_model("bench").path)
     identity = served_identity(config, {"available": False})
     app = Ingress(config, _Unused(), _Unused(), engine, identity).__serve_build_asgi_app__()
     for middleware in proxy_hold.proxy_middlewares():  # Serve wraps in list order

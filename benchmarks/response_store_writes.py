@@ -6,11 +6,12 @@ and prints JSON: events, record writes (insert + batched updates + the terminal 
 final record's size, the stored events' size, and the bytes written over the response's life
 (each write's record plus the events it appends).
 
-    .venv/bin/python benchmarks/response_store_writes.py
+    .venv/bin/python benchmarks/response_store_writes.py [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import tempfile
@@ -29,6 +30,8 @@ from serve_app.responses.runner import ResponseRunner
 from serve_app.store.sqlite import SQLiteStore
 
 CASES = ((100, 0.0), (1000, 0.0), (1000, 0.01), (4000, 0.0))  # (tokens, seconds per token)
+# A run that checks the script works (the suite's): no case that waits between tokens.
+QUICK_CASES = ((100, 0.0), (1000, 0.0))
 
 
 class CountingStore(SQLiteStore):
@@ -80,8 +83,8 @@ class Stream:
         return RequestOutput("r", [1], [delta], 0, finish is not None)
 
 
-async def first_output(gen: Any) -> Any:
-    return await gen.__anext__()
+async def first_output(gen: Any, read: Any) -> Any:
+    return await read
 
 
 def base_of(adm: AdmittedResponse) -> Any:
@@ -103,7 +106,7 @@ def measure(num_tokens: int, per_token_s: float) -> dict[str, Any]:
 
     async def run() -> Any:
         runner = ResponseRunner(store, Engine(num_tokens, per_token_s), base_of, first_output,
-                                3600.0, 60.0)  # fmt: skip
+                                3600.0, 60.0, 3600.0)  # fmt: skip
         live = await runner.start(adm)
         await asyncio.wait([live.done])
         return live
@@ -125,4 +128,7 @@ def measure(num_tokens: int, per_token_s: float) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps([measure(n, s) for n, s in CASES], indent=2))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="only the cases with no token rate")
+    cases = QUICK_CASES if parser.parse_args().quick else CASES
+    print(json.dumps([measure(n, s) for n, s in cases], indent=2))
