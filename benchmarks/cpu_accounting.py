@@ -160,14 +160,20 @@ def idle_serve_cpu(seconds: float, background: tuple[str, ...] = BACKGROUND_ROLE
     before, start = serve_cpu_seconds(), time.perf_counter()
     time.sleep(seconds)
     after, wall = serve_cpu_seconds(), time.perf_counter() - start
-    by_role = {
-        role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1e3 / wall
-        for role in sorted(set(before) | set(after))
-    }
+    by_role = _ms_by_role(before, after, wall)
     return {
         "seconds": wall,
         "path_ms_per_s": _path_sum(by_role, background),
         "by_role_ms_per_s": by_role,
+    }
+
+
+def _ms_by_role(before: dict[str, float], after: dict[str, float], per: float) -> dict:
+    """Each role's CPU between two `serve_cpu_seconds` readings, in ms per `per` (seconds of
+    wall time, or tokens)."""
+    return {
+        role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1e3 / per
+        for role in sorted(set(before) | set(after))
     }
 
 
@@ -222,10 +228,7 @@ def serving_cpu_per_token(
 ) -> dict:
     """CPU ms per output token, by role, between two `serve_cpu_seconds` readings; `serving`
     sums the path outside the engine's step threads and the `background` roles."""
-    per = {
-        role: (after.get(role, 0.0) - before.get(role, 0.0)) * 1e3 / max(tokens, 1)
-        for role in sorted(set(before) | set(after))
-    }
+    per = _ms_by_role(before, after, max(tokens, 1))
     return {"serving": _path_sum(per, background), "by_role": per}
 
 
