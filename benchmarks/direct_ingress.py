@@ -10,7 +10,6 @@ recorded; the idle TTFT overhead of each side too.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ from common import (  # noqa: E402
     free_port,
     mixed_requests,
     resolve_model,
+    run_client,
     streaming_session,
     write_json,
 )
@@ -60,7 +60,7 @@ def ttft_overhead(url: str, admin_url: str, model: str, seed: int, n: int = 20) 
         async with streaming_session() as session:
             return [await serving.one_request(session, url, model, p, m, extra) for p, m in reqs]
 
-    samples = asyncio.run(run_all())
+    samples = run_client(run_all())
     time.sleep(1.5)  # replicas push their timelines to the registry a few times a second
     overheads = []
     for s in samples:
@@ -142,7 +142,7 @@ def main() -> None:
     }
     try:
         for url in urls.values():  # warm-up
-            asyncio.run(
+            run_client(
                 serving.http_level(url, model, mixed_requests(4, 2048, (64, 256), (16, 16)), 4)
             )
         result["ttft_overhead"] = {

@@ -20,7 +20,6 @@ tree. Prints JSON; with --out also writes a PNG next to it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from common import (  # noqa: E402
     median_level,
     percentile,
     resolve_model,
+    run_client,
     stream_completion,
     stream_summary,
     streaming_session,
@@ -157,11 +157,11 @@ def sweep(
     model = server.model_id()
     warmup, parts = split_requests(requests, levels, per_level)
     # Warm-up: first-request costs (lazy init, allocator growth) are not what we compare.
-    asyncio.run(run_level(server, model, warmup, WARMUP_REQUESTS, max_tokens, tokenizer, extra))
+    run_client(run_level(server, model, warmup, WARMUP_REQUESTS, max_tokens, tokenizer, extra))
     out = []
     for c, chosen in zip(levels, parts, strict=True):
         level = run_level(server, model, chosen, c, max_tokens, tokenizer, extra)
-        out.append(asyncio.run(level))
+        out.append(run_client(level))
         print(f"{server.name} c={c}: {out[-1]['output_tok_s']:.1f} tok/s", file=sys.stderr)
     return out
 

@@ -28,6 +28,7 @@ from common import (  # noqa: E402
     mixed_requests,
     ours_step_loop,
     resolve_model,
+    run_client,
     stream_completion,
     stream_summary,
     streaming_session,
@@ -98,7 +99,7 @@ def accounted_level(url, model, requests, concurrency) -> dict:
     # The load generator runs on this thread, on the same cores as the server: its CPU per
     # token is what a remote client would not take from the engine.
     client_before = time.thread_time()
-    level = asyncio.run(http_level(url, model, requests, concurrency))
+    level = run_client(http_level(url, model, requests, concurrency))
     client_s = time.thread_time() - client_before
     after = serve_cpu_seconds()
     return {
@@ -156,7 +157,7 @@ def ttft_overhead(url: str, admin_url: str, model: str, n: int = 20) -> dict:
             for prompt, max_tokens in reqs:
                 samples.append(await one_request(session, url, model, prompt, max_tokens, extra))
 
-    asyncio.run(run_all())
+    run_client(run_all())
     time.sleep(1.5)  # replicas push their timelines to the registry a few times a second
     overheads, engine_ttft = [], []
     for sample in samples:
@@ -305,7 +306,7 @@ def main() -> None:
     }
     try:
         model = config.model_id
-        asyncio.run(http_level(url, model, reqs[:4], 4))  # warm-up
+        run_client(http_level(url, model, reqs[:4], 4))  # warm-up
         if args.constrained_only:
             result["constrained_vs_unconstrained_at_16"] = constrained_comparison(url, model, args)
         else:
@@ -346,7 +347,7 @@ def measure_path_and_sweep(
     )
     if not args.path_only:
         result["sweep"] = [
-            asyncio.run(http_level(url, model, reqs[: max(2 * c, 8)], c)) for c in levels
+            run_client(http_level(url, model, reqs[: max(2 * c, 8)], c)) for c in levels
         ]
         result["constrained_vs_unconstrained_at_16"] = constrained_comparison(url, model, args)
         result["grammar_compile"] = grammar_compile_times(url, model)
@@ -367,7 +368,7 @@ def constrained_comparison(url: str, model: str, args: argparse.Namespace) -> di
     for i in range(args.runs):
         for j, (side, extra) in enumerate((("unconstrained", {}), ("json_schema", schema_extra))):
             fresh = mixed_requests(32, 2048, (64, 256), (args.max_tokens,) * 2, seed=16 + 2 * i + j)
-            runs[side].append(asyncio.run(http_level(url, model, fresh, 16, extra)))
+            runs[side].append(run_client(http_level(url, model, fresh, 16, extra)))
 
     def median(side: str, key: str, sub: str | None = None) -> float:
         return statistics.median(r[key][sub] if sub else r[key] for r in runs[side])

@@ -15,7 +15,6 @@ import importlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -76,17 +75,6 @@ def test_event_stream_measures_each_response_class():
     result = run_script("event_stream.py", "--responses", "10", "--repeats", "1")
     assert result["responses"] == 10
     assert result["us_per_response"] and all(v > 0 for v in result["us_per_response"].values())
-
-
-@pytest.fixture
-def benchmark_modules(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """`benchmarks/` importable for one test; its modules forgotten after it."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    before = set(sys.modules)
-    yield
-    for name in set(sys.modules) - before:
-        if (getattr(sys.modules[name], "__file__", None) or "").startswith(str(BENCHMARKS)):
-            del sys.modules[name]
 
 
 @pytest.mark.ray
