@@ -536,6 +536,7 @@ class EngineCore:
             **self.spec_counts,
             "live_requests": len(self.requests),
             "requests_total": self.num_requests,
+            "steps_total": self.num_steps,
         }
 
     def shutdown(self) -> None:

@@ -56,6 +56,7 @@ COMPARED_LEVELS = (16, 64)
 # The idle server's CPU is read over this long, after the warm-up's output channel has closed.
 IDLE_SETTLE_S = 3.0
 IDLE_READING_S = 10.0
+STATS_PUSH_S = 0.6  # an engine replica pushes its stats every 0.2 s while they change
 
 SCHEMA = {
     "type": "object",
@@ -92,9 +93,18 @@ async def http_level(url, model, requests, concurrency, extra=None) -> dict:
     }
 
 
-def accounted_level(url, model, requests, concurrency) -> dict:
-    """One HTTP level with the serving path's CPU per output token, process by process, and
-    where the engine's step threads spent the level."""
+def engine_steps(admin_url: str) -> int:
+    """Steps the engine replicas have run (`/admin/v1/stats`), once their reporters have
+    pushed what the last level did (every 0.2 s while it changes)."""
+    time.sleep(STATS_PUSH_S)
+    return httpx.get(f"{admin_url}/admin/v1/stats").json()["total"]["steps_total"]
+
+
+def accounted_level(url, model, requests, concurrency, admin_url: str | None = None) -> dict:
+    """One HTTP level with the serving path's CPU per output token, process by process, where
+    the engine's step threads spent the level and (given the admin API) the output tokens a
+    step the engine ran at."""
+    steps = engine_steps(admin_url) if admin_url else None
     before, sched = serve_cpu_seconds(), step_thread_schedstat()
     # The load generator runs on this thread, on the same cores as the server: its CPU per
     # token is what a remote client would not take from the engine.
@@ -102,6 +112,8 @@ def accounted_level(url, model, requests, concurrency) -> dict:
     level = run_client(http_level(url, model, requests, concurrency))
     client_s = time.thread_time() - client_before
     after = serve_cpu_seconds()
+    if steps is not None:
+        level["tokens_per_step"] = level["output_tokens"] / (engine_steps(admin_url) - steps)
     return {
         **level,
         "cpu_ms_per_token": serving_cpu_per_token(before, after, level["output_tokens"]),
@@ -110,7 +122,7 @@ def accounted_level(url, model, requests, concurrency) -> dict:
     }
 
 
-def http_vs_direct(url, model, path, args) -> dict:
+def http_vs_direct(url, admin_url, model, path, args) -> dict:
     """`args.runs` interleaved runs at each compared level: HTTP, then the engine alone (a
     fresh one, in this process, while the server idles) on the same prompts, which neither
     side saw before (a warm prefix cache would spare one side prefill)."""
@@ -118,9 +130,16 @@ def http_vs_direct(url, model, path, args) -> dict:
     for r in range(args.runs):
         for c in COMPARED_LEVELS:
             reqs = mixed_requests(2 * c, 2048, (64, 256), (args.max_tokens,) * 2, seed=100 * r + c)
-            http = accounted_level(url, model, reqs, c)
-            direct = direct_level(path, reqs, c, args.threads)
-            runs[c].append({"run": r, "http": http, "direct_tok_s": direct})
+            http = accounted_level(url, model, reqs, c, admin_url)
+            direct = direct_run(path, reqs, c, args.threads)
+            runs[c].append(
+                {
+                    "run": r,
+                    "http": http,
+                    "direct_tok_s": direct["tok_s"],
+                    "direct_tokens_per_step": direct["tokens_per_step"],
+                }
+            )
     out = {}
     for c, rows in runs.items():
         ratios = [row["http"]["output_tok_s"] / row["direct_tok_s"] for row in rows]
@@ -139,6 +158,13 @@ def http_vs_direct(url, model, path, args) -> dict:
                 row["http"]["client_cpu_ms_per_token"] for row in rows
             ),
             "tokens_per_chunk": statistics.median(row["http"]["tokens_per_chunk"] for row in rows),
+            # The same batches on both sides: the gap is in how long each step takes.
+            "http_tokens_per_step": statistics.median(
+                row["http"]["tokens_per_step"] for row in rows
+            ),
+            "direct_tokens_per_step": statistics.median(
+                row["direct_tokens_per_step"] for row in rows
+            ),
             "itl_ms_p50": statistics.median(row["http"]["itl_ms"]["p50"] for row in rows),
             "runs": rows,
         }
@@ -174,8 +200,9 @@ def ttft_overhead(url: str, admin_url: str, model: str, n: int = 20) -> dict:
     }
 
 
-def direct_level(path: str, requests, concurrency: int, threads: int) -> float:
-    """The engine alone on the same requests, keeping `concurrency` in flight."""
+def direct_run(path: str, requests, concurrency: int, threads: int) -> dict:
+    """The engine alone on the same requests, keeping `concurrency` in flight: its tokens a
+    second and the output tokens a step it ran at."""
     import torch
 
     from actors import LLM
@@ -183,8 +210,14 @@ def direct_level(path: str, requests, concurrency: int, threads: int) -> float:
     torch.set_num_threads(threads)
     llm = LLM(model=path, max_model_len=1024)
     seconds, tokens = ours_step_loop(llm.engine, requests, concurrency)
+    steps = llm.engine.num_steps
     llm.shutdown()
-    return tokens / seconds
+    return {"tok_s": tokens / seconds, "tokens_per_step": tokens / steps}
+
+
+def direct_level(path: str, requests, concurrency: int, threads: int) -> float:
+    """`direct_run`'s tokens a second."""
+    return direct_run(path, requests, concurrency, threads)["tok_s"]
 
 
 def grammar_service_compile_times(path: str) -> dict:
@@ -330,7 +363,7 @@ def measure_path_and_sweep(
     time.sleep(IDLE_SETTLE_S)
     idle = idle_serve_cpu(IDLE_READING_S)
     overhead = ttft_overhead(url, admin_url, model)
-    compared = http_vs_direct(url, model, path, args)
+    compared = http_vs_direct(url, admin_url, model, path, args)
     # The share of the 64-stream figure the path's processes spend idle over a level as long.
     idle["path_ms_per_token_at_64"] = idle["path_ms_per_s"] / compared[64]["http_tok_s"]
     result.update(

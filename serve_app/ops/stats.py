@@ -28,7 +28,16 @@ HEARTBEAT_S = 1.0
 # NOTE: the registry and the admin server live on the head node, like the HTTP proxy: a
 # loopback bind must be the head's loopback, and GPU nodes may come and go.
 HEAD_ONLY = {"node:__internal_head__": 0.001}
-TOTALLED = ("kv_blocks_total", "kv_blocks_used", "running", "waiting", "held", "live_requests")
+TOTALLED = (
+    "kv_blocks_total",
+    "kv_blocks_used",
+    "running",
+    "waiting",
+    "held",
+    "live_requests",
+    "requests_total",
+    "steps_total",
+)
 
 
 def registry_name(model_id: str) -> str:

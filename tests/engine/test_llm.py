@@ -108,6 +108,18 @@ def test_abort_frees_blocks_by_the_next_step(llm):
     assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["live_requests"] == 0
 
 
+def test_stats_count_the_steps_run(llm):
+    """`steps_total` (the admin API's per-replica stats) counts every step: one request of n
+    tokens takes its prefill step, then one decode step per further token."""
+    engine = llm.engine
+    before = engine.stats()["steps_total"]
+    engine.add_request("counted", list(range(20, 40)), SamplingParams(max_tokens=5))
+    _drain(engine, "counted")
+    assert engine.stats()["steps_total"] == before + 5
+    engine.step()  # nothing to run: not a step
+    assert engine.stats()["steps_total"] == before + 5
+
+
 def test_held_request_keeps_kv_and_resumes(llm):
     engine = llm.engine
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -44,11 +44,27 @@ def _wait_idle(admin_url: str, within_s: float) -> float:
     raise AssertionError(f"not back to idle within {within_s}s: {_idle_totals(admin_url)}")
 
 
-def test_admin_stats_per_replica_and_total_and_absent_on_public_port(serve_url, admin_url):
-    stats = httpx.get(f"{admin_url}/admin/v1/stats").json()
+def test_admin_stats_per_replica_and_total_and_absent_on_public_port(
+    serve_url, admin_url, model_id
+):
+    def read() -> dict:
+        return httpx.get(f"{admin_url}/admin/v1/stats").json()
+
+    before = read()["total"]
+    body = {"model": model_id, "prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True}
+    assert httpx.post(f"{serve_url}/v1/completions", json=body, timeout=60).status_code == 200
+    # The request's prefill step and five decode steps, once the replica has reported them.
+    deadline = time.monotonic() + 5
+    while (stats := read())["total"]["steps_total"] - before["steps_total"] < 6:
+        assert time.monotonic() < deadline, f"the request's steps never reached {stats}"
+        time.sleep(0.05)
+    assert stats["total"]["requests_total"] > before["requests_total"]
     assert len(stats["replicas"]) == 1
     replica = stats["replicas"][0]
-    for key in ("kv_blocks_total", "kv_blocks_used", "running", "waiting", "held"):
+    for key in (
+        *("kv_blocks_total", "kv_blocks_used", "running", "waiting", "held"),
+        *("requests_total", "steps_total"),
+    ):
         assert replica[key] == stats["total"][key]
     assert replica["node_id"] and replica["kv_blocks_total"] > 0
     for method, path in (("GET", "/admin/v1/stats"), ("POST", "/admin/v1/drain")):
