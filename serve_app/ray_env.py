@@ -27,9 +27,10 @@ its processes (controller, proxy, replicas) starts, and they inherit it from the
   Serve's default is every 0.1 s): on an idle server its loop was the largest user of CPU
   (25 ms a second of the whole server's 100, against 11 at 0.5 s), and on a machine whose
   cores the engine's step threads fill, that CPU is taken from them: the engine driven
-  directly beside an idle server made 3-6% fewer tokens a second than alone at 0.1 s and
-  0-2% fewer at 0.5 s (`benchmarks/idle_server.py`). Deploys, scaling and replica recovery
-  are noticed up to 0.4 s later; deleting an app takes about 2.5 s longer.
+  directly beside an idle server made 5-10% fewer tokens a second than alone at 0.1 s and
+  0-2% at 0.5 s (`benchmarks/idle_server.py`); served under load the difference stayed
+  within the host's drift (docs/benchmarks.md). Deploys, scaling and replica recovery are
+  noticed up to 0.4 s later.
 
 - Serve's direct ingress, where `ServeConfig.direct_ingress` asks for it
   (`direct_ingress_settings`): the ingress replica serves HTTP on the server's port itself,
