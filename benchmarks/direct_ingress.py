@@ -20,14 +20,8 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(__file__))
 import serving  # noqa: E402
-from common import (  # noqa: E402
-    free_port,
-    mixed_requests,
-    resolve_model,
-    run_client,
-    streaming_session,
-    write_json,
-)
+from common import free_port, mixed_requests, resolve_model, write_json  # noqa: E402
+from load_client import run_client, streaming_session  # noqa: E402
 
 SIDES = ("proxy", "direct_ingress")
 LEVELS = (16, 64)

@@ -33,8 +33,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import cpu_model, free_port, resolve_model, streaming_session, write_json  # noqa: E402
+from common import cpu_model, free_port, resolve_model, write_json  # noqa: E402
 from cpu_accounting import process_cpu_seconds  # noqa: E402
+from load_client import streaming_session  # noqa: E402
 from peer_servers import ServerProcess  # noqa: E402
 
 MODES = ("uvicorn", "starlette", "ingress")

@@ -35,14 +35,9 @@ import vllm_peer  # noqa: E402
 from common import (  # noqa: E402
     DECODE_SCHEMA,
     DEFAULT_MODEL,
-    closed_loop,
     median_level,
     percentile,
     resolve_model,
-    run_client,
-    stream_completion,
-    stream_summary,
-    streaming_session,
     text_prompts,
     write_json,
 )
@@ -52,6 +47,13 @@ from cpu_accounting import (  # noqa: E402
     step_thread_schedstat,
     step_thread_shares,
     tree_cpu_seconds,
+)
+from load_client import (  # noqa: E402
+    closed_loop,
+    run_client,
+    stream_completion,
+    stream_summary,
+    streaming_session,
 )
 from peer_servers import ServerProcess, start_ours, start_theirs, start_vllm  # noqa: E402
 

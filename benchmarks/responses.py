@@ -22,20 +22,13 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (  # noqa: E402
-    DEFAULT_MODEL,
-    closed_loop,
-    free_port,
-    resolve_model,
-    stream_summary,
-    text_prompts,
-    write_json,
-)
+from common import DEFAULT_MODEL, free_port, resolve_model, text_prompts, write_json  # noqa: E402
 from cpu_accounting import (  # noqa: E402
     BACKGROUND_ROLES,
     serve_cpu_seconds,
     serving_cpu_per_token,
 )
+from load_client import closed_loop, stream_summary  # noqa: E402
 
 # The Responses issue's target: streamed /v1/responses keeps this share of chat's tokens/s.
 RATIO_TARGET = 0.95

@@ -23,15 +23,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     DECODE_SCHEMA,
     DEFAULT_MODEL,
-    closed_loop,
     free_port,
     mixed_requests,
     ours_step_loop,
     resolve_model,
-    run_client,
-    stream_completion,
-    stream_summary,
-    streaming_session,
     write_json,
 )
 from cpu_accounting import (  # noqa: E402
@@ -42,6 +37,13 @@ from cpu_accounting import (  # noqa: E402
     step_thread_shares,
 )
 from grammar_masks import RATIO_TARGET as JSON_DECODE_TARGET  # noqa: E402
+from load_client import (  # noqa: E402
+    closed_loop,
+    run_client,
+    stream_completion,
+    stream_summary,
+    streaming_session,
+)
 
 # A sweep measures throughput at each concurrency, so nothing is shed: on the trained model a
 # 64-stream level queues past the default 60 s first-token bound (503 deadline_unmeetable).

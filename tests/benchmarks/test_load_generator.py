@@ -1,7 +1,7 @@
 """The benchmarks' load generator reads what a server streams, however the bytes arrive.
 
 `serving.py`, `peer.py` and `direct_ingress.py` count tokens and time them from what
-`benchmarks/common.py` reads off each SSE stream. It splits each socket read into events
+`benchmarks/load_client.py` reads off each SSE stream. It splits each socket read into events
 itself, so an event cut across two reads, CRLF line ends or an event with more than one line
 must not lose or invent a token.
 """
@@ -26,11 +26,11 @@ def chunk(text: str | None = None, usage: dict | None = None) -> bytes:
 
 
 def test_events_split_across_reads_come_out_whole_and_once():
-    common = importlib.import_module("common")
+    client = importlib.import_module("load_client")
     stream = chunk("a") + chunk("b\n\nc") + b"data: [DONE]\n\n"
     for cut in range(1, len(stream)):
-        got, rest = common.sse_data(stream[:cut])
-        more, rest = common.sse_data(rest + stream[cut:])
+        got, rest = client.sse_data(stream[:cut])
+        more, rest = client.sse_data(rest + stream[cut:])
         assert rest == b""
         texts = [json.loads(p)["choices"][0]["text"] for p in got + more if p != b"[DONE]"]
         assert texts == ["a", "b\n\nc"], cut  # JSON escapes the newlines inside a token
@@ -38,9 +38,9 @@ def test_events_split_across_reads_come_out_whole_and_once():
 
 
 def test_crlf_lines_comments_and_named_events_are_read_as_sse():
-    common = importlib.import_module("common")
+    client = importlib.import_module("load_client")
     raw = b': keep-alive\r\n\r\nevent: message\r\ndata: {"x": 1}\r\n\r\ndata:{"x": 2}\n\n'
-    payloads, rest = common.sse_data(raw)
+    payloads, rest = client.sse_data(raw)
     assert [json.loads(p)["x"] for p in payloads] == [1, 2]
     assert rest == b""
 
@@ -48,7 +48,7 @@ def test_crlf_lines_comments_and_named_events_are_read_as_sse():
 def test_stream_completion_counts_every_token_of_a_chunked_response():
     """A real HTTP/1.1 response with chunked transfer encoding, written in pieces that cut
     events and chunk frames anywhere; the client runs on the loop the benchmarks use."""
-    common = importlib.import_module("common")
+    client = importlib.import_module("load_client")
     texts = [f" t{i}" for i in range(40)]
     usage = {"prompt_tokens": 3, "completion_tokens": len(texts), "total_tokens": 43}
     body = b"".join(chunk(t) for t in texts) + chunk(usage=usage) + b"data: [DONE]\n\n"
@@ -77,13 +77,13 @@ def test_stream_completion_counts_every_token_of_a_chunked_response():
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
-            async with common.streaming_session() as session:
+            async with client.streaming_session() as session:
                 url = f"http://127.0.0.1:{port}"
-                return await common.stream_completion(session, url, "m", [1, 2, 3], 40, {})
+                return await client.stream_completion(session, url, "m", [1, 2, 3], 40, {})
         finally:
             server.close()
 
-    got = common.run_client(run())
+    got = client.run_client(run())
     assert got["pieces"] == texts
     assert got["chunks"] == len(texts) and len(got["itl"]) == len(texts) - 1
     assert got["usage"] == usage and got["request_id"] == "req-7"
@@ -94,7 +94,7 @@ def test_stream_completion_counts_every_token_of_a_chunked_response():
 
 
 def test_an_error_event_after_the_headers_raises():
-    common = importlib.import_module("common")
+    client = importlib.import_module("load_client")
     body = chunk("a") + b'data: {"error": {"message": "engine died", "type": "server_error"}}\n\n'
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -107,10 +107,10 @@ def test_an_error_event_after_the_headers_raises():
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         try:
-            async with common.streaming_session() as session:
-                await common.stream_completion(session, url, "m", "hi", 4, {})
+            async with client.streaming_session() as session:
+                await client.stream_completion(session, url, "m", "hi", 4, {})
         finally:
             server.close()
 
     with pytest.raises(RuntimeError, match="engine died"):
-        common.run_client(run())
+        client.run_client(run())
