@@ -24,18 +24,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import cpu_model, free_port, mixed_requests, resolve_model, write_json  # noqa: E402
+from serving import IDLE_READING_S, direct_level  # noqa: E402
+
+from serve_app.ray_env import CONTROL_LOOP_ENV  # noqa: E402
 
 LEVELS = (16, 64)
-CONTROL_LOOP_ENV = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
 CASES = {"alone": None, "idle_server_loop_0.1s": "0.1", "idle_server_loop_0.5s": "0.5"}
 SETTLE_S = 10.0  # the replicas' start-up work (kernels, first health checks) done
-IDLE_READING_S = 10.0
 
 
 def one_case(model: str, threads: int, max_tokens: int, run: int, serve: bool) -> dict:
     """This process: optionally a served app left idle, then the engine alone per level."""
-    from serving import direct_level
-
     path = resolve_model(model).path
     row: dict = {}
     if serve:

@@ -1,8 +1,8 @@
 """The benchmarks' HTTP load generator: closed-loop clients streaming `/v1/completions` over
 aiohttp on uvloop, each SSE event read, stamped and counted as it arrives. It runs on the same
 cores as the server it measures, so it is kept lean (`serving.py` reports its CPU per token),
-and `serving.py`, `peer.py`, `direct_ingress.py` and `ingress_events.py` share it: every side of
-a comparison is read by the same client."""
+and `serving.py`, `peer.py`, `direct_ingress.py`, `responses.py` and `ingress_events.py` share
+it: every side of a comparison is read by the same client."""
 
 from __future__ import annotations
 

@@ -25,6 +25,23 @@ def chunk(text: str | None = None, usage: dict | None = None) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
+def complete_against(handle, prompt, max_tokens: int) -> dict:
+    """`stream_completion` against a one-off loopback server whose connections `handle`
+    answers, on the loop the benchmarks use."""
+    client = importlib.import_module("load_client")
+
+    async def run() -> dict:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            async with client.streaming_session() as session:
+                return await client.stream_completion(session, url, "m", prompt, max_tokens, {})
+        finally:
+            server.close()
+
+    return client.run_client(run())
+
+
 def test_events_split_across_reads_come_out_whole_and_once():
     client = importlib.import_module("load_client")
     stream = chunk("a") + chunk("b\n\nc") + b"data: [DONE]\n\n"
@@ -48,7 +65,6 @@ def test_crlf_lines_comments_and_named_events_are_read_as_sse():
 def test_stream_completion_counts_every_token_of_a_chunked_response():
     """A real HTTP/1.1 response with chunked transfer encoding, written in pieces that cut
     events and chunk frames anywhere; the client runs on the loop the benchmarks use."""
-    client = importlib.import_module("load_client")
     texts = [f" t{i}" for i in range(40)]
     usage = {"prompt_tokens": 3, "completion_tokens": len(texts), "total_tokens": 43}
     body = b"".join(chunk(t) for t in texts) + chunk(usage=usage) + b"data: [DONE]\n\n"
@@ -73,17 +89,7 @@ def test_stream_completion_counts_every_token_of_a_chunked_response():
         await writer.drain()
         writer.close()
 
-    async def run() -> dict:
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
-            async with client.streaming_session() as session:
-                url = f"http://127.0.0.1:{port}"
-                return await client.stream_completion(session, url, "m", [1, 2, 3], 40, {})
-        finally:
-            server.close()
-
-    got = client.run_client(run())
+    got = complete_against(handle, [1, 2, 3], 40)
     assert got["pieces"] == texts
     assert got["chunks"] == len(texts) and len(got["itl"]) == len(texts) - 1
     assert got["usage"] == usage and got["request_id"] == "req-7"
@@ -94,7 +100,6 @@ def test_stream_completion_counts_every_token_of_a_chunked_response():
 
 
 def test_an_error_event_after_the_headers_raises():
-    client = importlib.import_module("load_client")
     body = chunk("a") + b'data: {"error": {"message": "engine died", "type": "server_error"}}\n\n'
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -103,14 +108,5 @@ def test_an_error_event_after_the_headers_raises():
         await writer.drain()
         writer.close()
 
-    async def run() -> None:
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        try:
-            async with client.streaming_session() as session:
-                await client.stream_completion(session, url, "m", "hi", 4, {})
-        finally:
-            server.close()
-
     with pytest.raises(RuntimeError, match="engine died"):
-        client.run_client(run())
+        complete_against(handle, "hi", 4)
