@@ -25,6 +25,15 @@ from actors.torch_thread import ENGINE_THREAD_PREFIX, name_os_thread, normal_sch
 logger = logging.getLogger(__name__)
 # How often an engine with live requests but nothing to run re-checks its deadlines.
 _IDLE_POLL_S = 0.01
+# After posting a step's outputs the step thread waits, at most this long, while the event
+# loop delivers them and runs the callbacks the delivery woke (an output channel's send):
+# `PUBLISH_PASSES` passes of the loop. Posted and left, the outputs waited for the GIL until
+# the next step's first torch op let it go, and the loop then held it between that step's
+# ops while both of its OpenMP threads waited. Measured on 2 cores (`bench`, direct ingress,
+# `docs/benchmarks.md`): the serving path's share of an idle server's TTFT 3.3-3.5 ms
+# against 6.0-7.9, 16 streams 1,174 against 1,086 tok/s in alternated levels of one server.
+PUBLISH_WAIT_S = 0.001
+PUBLISH_PASSES = 2
 
 Command = Callable[[EngineCore], None]
 
@@ -64,6 +73,8 @@ class AsyncEngine:
         self.num_slow_consumer_cancels = 0
         # Steps begun by the step thread; outputs are posted with the number of their step.
         self._steps_begun = 0
+        # Set on the event loop once it has delivered the latest step's posted outputs.
+        self._published = threading.Event()
         self._booted = threading.Event()
         self._boot_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -327,8 +338,21 @@ class AsyncEngine:
                 self._wake.clear()
 
     def _post(self, outputs: list[RequestOutput], step: int, held: Sequence[str] = ()) -> None:
+        """Hand outputs to the event loop and give it the GIL while it delivers them (at
+        most PUBLISH_WAIT_S: a busy or stopped loop never holds the step thread longer)."""
         if outputs and self._loop is not None:
+            self._published.clear()
             self._loop.call_soon_threadsafe(self._deliver, outputs, step, held)
+            self._loop.call_soon_threadsafe(self._mark_published, step, PUBLISH_PASSES)
+            self._published.wait(PUBLISH_WAIT_S)
+
+    def _mark_published(self, step: int, passes: int) -> None:
+        """Event-loop side: after `passes` passes of the loop, tell the step thread that the
+        outputs of `step` are out (a late mark for an earlier step tells it nothing)."""
+        if passes > 1:
+            asyncio.get_running_loop().call_soon(self._mark_published, step, passes - 1)
+        elif step == self._steps_begun:
+            self._published.set()
 
     def _drain_commands(self) -> None:
         while True:
