@@ -30,8 +30,8 @@ _IDLE_POLL_S = 0.01
 # `PUBLISH_PASSES` passes of the loop. Posted and left, the outputs waited for the GIL until
 # the next step's first torch op let it go, and the loop then held it between that step's
 # ops while both of its OpenMP threads waited. Measured on 2 cores (`bench`, direct ingress,
-# `docs/benchmarks.md`): the serving path's share of an idle server's TTFT 3.3-3.5 ms
-# against 6.0-7.9, 16 streams 1,174 against 1,086 tok/s in alternated levels of one server.
+# `docs/benchmarks.md`): client ITL p50 at 1 / 4 streams 3.56 / 4.16 ms against 4.12 / 5.09,
+# TTFT p50 lower at every level, tokens/s within the runs' spread.
 PUBLISH_WAIT_S = 0.001
 PUBLISH_PASSES = 2
 
