@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     DECODE_SCHEMA,
     DEFAULT_MODEL,
+    cpu_model,
     free_port,
     mixed_requests,
     ours_step_loop,
@@ -332,6 +333,7 @@ def main() -> None:
     )
     url = start(config, ray_init_kwargs={"num_cpus": 8})
     result: dict = {
+        "cpu": cpu_model(),
         "checkpoint": checkpoint.label,
         "dtype": "float32",
         "threads": args.threads,
