@@ -342,14 +342,20 @@ class AsyncEngine:
         most PUBLISH_WAIT_S: a busy or stopped loop never holds the step thread longer)."""
         if outputs and self._loop is not None:
             self._published.clear()
-            self._loop.call_soon_threadsafe(self._deliver, outputs, step, held)
-            self._loop.call_soon_threadsafe(self._mark_published, step, PUBLISH_PASSES)
+            try:
+                self._loop.call_soon_threadsafe(self._deliver_posted, outputs, step, held)
+            except RuntimeError:  # the loop has closed: no reader is left to deliver to
+                return
             self._published.wait(PUBLISH_WAIT_S)
 
+    def _deliver_posted(self, outputs: list[RequestOutput], step: int, held: Sequence[str]) -> None:
+        self._deliver(outputs, step, held)
+        self._mark_published(step, PUBLISH_PASSES - 1)
+
     def _mark_published(self, step: int, passes: int) -> None:
-        """Event-loop side: after `passes` passes of the loop, tell the step thread that the
-        outputs of `step` are out (a late mark for an earlier step tells it nothing)."""
-        if passes > 1:
+        """Event-loop side: `passes` passes of the loop from now, tell the step thread that
+        the outputs of `step` are out (a late mark for an earlier step tells it nothing)."""
+        if passes > 0:
             asyncio.get_running_loop().call_soon(self._mark_published, step, passes - 1)
         elif step == self._steps_begun:
             self._published.set()

@@ -90,3 +90,34 @@ def test_a_stalled_event_loop_does_not_stall_the_engine(llm):
         await gen.aclose()
 
     run(llm, scenario)
+
+
+def test_an_event_loop_that_closes_mid_request_leaves_the_engine_running(llm):
+    engine = AsyncEngine(llm.engine, None)
+    engine.core.shutdown = lambda: None  # type: ignore[method-assign] (the LLM owns it)
+    params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
+    # Slow steps: the step in flight when the loop closes posts its outputs after the close.
+    llm.engine.step_delay_s = 0.02
+    try:
+
+        async def leave_after_one():
+            gen = engine.generate("left", PROMPT, params)
+            await gen.__anext__()  # then the loop closes with the request still stepping
+
+        asyncio.run(leave_after_one())
+        time.sleep(0.2)  # steps posted to the closed loop meanwhile
+        assert engine.is_healthy()
+        llm.engine.step_delay_s = 0.0
+
+        async def read_all():
+            short = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)
+            return [out async for out in engine.generate("next", PROMPT, short)]
+
+        assert asyncio.run(read_all())[-1].finished
+    finally:
+        llm.engine.step_delay_s = 0.0
+        engine.shutdown()
+        for request_id in list(llm.engine.requests):
+            llm.engine.abort(request_id)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
