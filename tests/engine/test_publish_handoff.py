@@ -13,8 +13,10 @@ from actors import LLM, SamplingParams, async_engine
 from actors.async_engine import AsyncEngine
 
 PROMPT = list(range(5, 40))
-# 1.0 here with the handoff, idle or beside two busy processes; 0.03-0.08 without it
-# idle and 0.2-0.53 beside the busy processes.
+# Without the handoff the share below was 0.03-0.08 on an idle machine, 0.2-0.53 beside two
+# busy processes, and once 0.9 in CI (a step thread taken off its core right after posting
+# lets the loop in first): how often the loop wins is up to the scheduler, so only the
+# handoff's side is asserted.
 DELIVERED_SHARE = 0.8
 
 
@@ -70,11 +72,11 @@ def test_a_steps_outputs_are_delivered_before_the_next_step_begins(llm):
     assert delivered_before_next_step(llm) >= DELIVERED_SHARE
 
 
-def test_without_the_handoff_the_step_thread_runs_ahead_of_the_loop(llm, monkeypatch):
-    # What the test above tells apart: posted and left, the outputs are delivered while the
-    # step thread is already in the next step.
-    monkeypatch.setattr(async_engine, "PUBLISH_WAIT_S", 0.0)
-    assert delivered_before_next_step(llm) < DELIVERED_SHARE
+def test_the_handoff_holds_on_a_loaded_machine_given_the_time(llm, monkeypatch):
+    # The 1 ms bound is what a busy machine can cut short; given 50 ms, every step's outputs
+    # are delivered first, whatever else runs.
+    monkeypatch.setattr(async_engine, "PUBLISH_WAIT_S", 0.05)
+    assert delivered_before_next_step(llm) == 1.0
 
 
 def test_a_stalled_event_loop_does_not_stall_the_engine(llm):
