@@ -13,6 +13,7 @@ import pytest
 from actors import LLM, SamplingParams
 from actors.async_engine import AsyncEngine
 from actors.request import FinishReason
+from tests.support.async_engines import run_with_engine
 
 LONG = SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.0)
 PROMPT = list(range(5, 40))
@@ -23,38 +24,6 @@ def llm(model_dirs):
     llm = LLM(model=str(model_dirs("llama")))
     yield llm
     llm.shutdown()
-
-
-def make_engine(llm: LLM, **kwargs) -> AsyncEngine:
-    engine = AsyncEngine(llm.engine, None, **kwargs)
-    # The step thread belongs to this engine; the LLM's executor outlives it.
-    engine.core.shutdown = lambda: None  # type: ignore[method-assign]
-    return engine
-
-
-def run_with_engine(llm: LLM, scenario, step_delay_s: float = 0.0, **kwargs) -> None:
-    """`await scenario(engine)` on a fresh AsyncEngine over the shared LLM, shut down after;
-    `step_delay_s` slows the shared core's steps for this scenario only."""
-
-    async def main() -> None:
-        engine = make_engine(llm, **kwargs)
-        try:
-            await scenario(engine)
-        finally:
-            engine.shutdown()
-
-    llm.engine.step_delay_s = step_delay_s
-    try:
-        asyncio.run(main())
-    finally:
-        llm.engine.step_delay_s = 0.0
-        # A scenario that failed may leave a request in the shared core (held, with its
-        # hold timer gone with the loop): end it here, or every later test's offline
-        # generate steps on behind it.
-        for request_id in list(llm.engine.requests):
-            llm.engine.abort(request_id)
-        while llm.engine.has_unfinished():
-            llm.engine.step()
 
 
 async def collect(gen, outs: list, stop_after: int | None = None) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from actors import LLM, SamplingParams, async_engine
 from actors.async_engine import AsyncEngine
+from tests.support.async_engines import make_engine, run_with_engine, settle
 
 PROMPT = list(range(5, 40))
 # Without the handoff the share below was 0.03-0.08 on an idle machine, 0.2-0.53 beside two
@@ -25,25 +26,6 @@ def llm(model_dirs):
     llm = LLM(model=str(model_dirs("llama")))
     yield llm
     llm.shutdown()
-
-
-def run(llm: LLM, scenario) -> None:
-    async def main() -> None:
-        engine = AsyncEngine(llm.engine, None)
-        # The step thread belongs to this engine; the LLM's executor outlives it.
-        engine.core.shutdown = lambda: None  # type: ignore[method-assign]
-        try:
-            await scenario(engine)
-        finally:
-            engine.shutdown()
-
-    try:
-        asyncio.run(main())
-    finally:
-        for request_id in list(llm.engine.requests):
-            llm.engine.abort(request_id)
-        while llm.engine.has_unfinished():
-            llm.engine.step()
 
 
 def delivered_before_next_step(llm: LLM) -> float:
@@ -63,7 +45,7 @@ def delivered_before_next_step(llm: LLM) -> float:
         outs = [out async for out in engine.generate("r", PROMPT, params)]
         assert outs[-1].finished
 
-    run(llm, scenario)
+    run_with_engine(llm, scenario)
     assert len(seen) >= 40
     return sum(step == begun for step, begun in seen) / len(seen)
 
@@ -91,12 +73,11 @@ def test_a_stalled_event_loop_does_not_stall_the_engine(llm):
         assert engine.core.num_steps - before >= 10
         await gen.aclose()
 
-    run(llm, scenario)
+    run_with_engine(llm, scenario)
 
 
 def test_an_event_loop_that_closes_mid_request_leaves_the_engine_running(llm):
-    engine = AsyncEngine(llm.engine, None)
-    engine.core.shutdown = lambda: None  # type: ignore[method-assign] (the LLM owns it)
+    engine = make_engine(llm)
     params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
     # Slow steps: the step in flight when the loop closes posts its outputs after the close.
     llm.engine.step_delay_s = 0.02
@@ -109,7 +90,6 @@ def test_an_event_loop_that_closes_mid_request_leaves_the_engine_running(llm):
         asyncio.run(leave_after_one())
         time.sleep(0.2)  # steps posted to the closed loop meanwhile
         assert engine.is_healthy()
-        llm.engine.step_delay_s = 0.0
 
         async def read_all():
             short = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)
@@ -117,9 +97,5 @@ def test_an_event_loop_that_closes_mid_request_leaves_the_engine_running(llm):
 
         assert asyncio.run(read_all())[-1].finished
     finally:
-        llm.engine.step_delay_s = 0.0
         engine.shutdown()
-        for request_id in list(llm.engine.requests):
-            llm.engine.abort(request_id)
-        while llm.engine.has_unfinished():
-            llm.engine.step()
+        settle(llm)
