@@ -250,18 +250,23 @@ def test_ranks_hold_fake_gpus_but_run_on_cpu_and_say_so(served, cluster):
 
 
 def test_requests_spread_over_two_tp2_replicas(served, cluster):
+    """Serve's router may send a whole burst to one replica (one whose queue length it has
+    cached wins over one it must probe), so requests are then sent one at a time, at most
+    `MAX_KILL_STREAMS` more, until both replicas served some."""
     before = {r["replica"]: r["requests_total"] for r in served.stats()["replicas"]}
     assert len(before) == 2
     with ThreadPoolExecutor(16) as pool:
         responses = list(pool.map(lambda _: _completion(served.url), range(24)))
     assert [r.status_code for r in responses] == [200] * 24
-    time.sleep(1)  # replicas report their stats a few times a second
-    stats = served.stats()
-    replicas = stats["replicas"]
-    served_by = {r["replica"]: r["requests_total"] - before[r["replica"]] for r in replicas}
-    assert sum(served_by.values()) == 24, served_by
-    assert min(served_by.values()) > 0, f"one replica took everything: {served_by}"
-    assert {r["node_id"] for r in stats["replicas"]} == cluster.gpu_nodes
+    sent = 24
+    served_by = _wait_served(served, before, sent)
+    while min(served_by.values()) == 0:
+        assert sent < 24 + MAX_KILL_STREAMS, f"one replica took everything: {served_by}"
+        r = _completion(served.url)
+        assert r.status_code == 200, r.text
+        sent += 1
+        served_by = _wait_served(served, before, sent)
+    assert {r["node_id"] for r in served.stats()["replicas"]} == cluster.gpu_nodes
 
 
 def test_killed_rank_fails_its_streams_the_other_replica_serves_and_serve_replaces_it(
@@ -357,6 +362,19 @@ def _wait_all_live(server: Server, num: int, within_s: float = 60) -> dict:
             return stats
         time.sleep(0.1)
     raise AssertionError(f"{num} streams not running on the two replicas: {server.stats()}")
+
+
+def _wait_served(server: Server, before: dict, num: int, within_s: float = 10) -> dict:
+    """Each replica's requests since `before`, once the two report `num` between them
+    (replicas report their stats a few times a second)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        replicas = server.stats()["replicas"]
+        served_by = {r["replica"]: r["requests_total"] - before[r["replica"]] for r in replicas}
+        if sum(served_by.values()) == num or time.monotonic() > deadline:
+            assert sum(served_by.values()) == num, served_by
+            return served_by
+        time.sleep(0.1)
 
 
 def _wait_replaced(server: Server, dead_replica: str, within_s: float) -> dict:

@@ -276,7 +276,8 @@ def test_serve_deploy_and_serve_run_on_a_cluster_started_without_the_hook(model_
         first = config_file(tmp_path, "first.yaml", port, model, **unplaceable)
         run_cli("serve", "deploy", str(first), "-a", dashboard, env=env)
         wait_for(lambda: is_unready_503(health(url)), 240, "/health 503 from the ingress")
-        assert admin_stats(first_admin)["replicas"] == []
+        # The admin replica starts beside the ingress, not before it: its port may bind later.
+        wait_for(lambda: admin_stats(first_admin)["replicas"] == [], 120, "an empty admin API")
         assert detected(url) is False
         assert wait_for(lambda: warnings_logged(temp_dir), 30, "the warning logged") == 1
 

@@ -66,7 +66,10 @@ def test_timeout_counts_from_the_start_of_compilation(tight, monkeypatch):
 
 def test_saturated_pool_answers_overloaded_not_invalid_grammar(tight, monkeypatch):
     monkeypatch.setattr(tight.pool, "max_queue", 1)
-    monkeypatch.setattr(tight, "compile_delay_s", 0.9)  # under the timeout: the spec is fine
+    # Compiles longer than the queue wait (0.5 s) and well under the timeout (a loaded machine
+    # may take tens of ms more than the delay): the specs are fine, the pool is full.
+    monkeypatch.setattr(tight.pool, "timeout_s", 5.0)
+    monkeypatch.setattr(tight, "compile_delay_s", 0.9)
     before = tight.stats()["overloaded"]
     specs = [GrammarSpec("regex", f"[d-f]{{{n}}}-busy") for n in range(5)]
     results = _compile_all(tight, specs)

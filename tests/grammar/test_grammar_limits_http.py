@@ -72,7 +72,9 @@ def test_attack_is_refused_and_a_fresh_trivial_schema_is_served_at_once(serve_ur
     r = post_chat(serve_url, model_id, response_format=schema_format(fresh), max_tokens=12)
     elapsed = time.monotonic() - started
     assert r.status_code == 200, r.text
-    assert elapsed < 2.0, elapsed
+    # Served with the pool free: well under the 10 s compile timeout a clogged pool would
+    # have made it wait (a loaded machine's request may take a second or two by itself).
+    assert elapsed < 5.0, elapsed
     choice = r.json()["choices"][0]
     if choice["finish_reason"] == "stop":
         assert set(json.loads(choice["message"]["content"])) <= set(fresh["properties"])

@@ -123,8 +123,9 @@ def test_concurrent_streams_travel_in_the_output_channel_many_outputs_per_item(
 ):
     """Tokens after each stream's first reach the ingress in its channel, one item per
     engine wake-up for every stream (not one Serve item per token), and the streams are
-    whole."""
-    max_tokens, streams = 16, 8
+    whole. Long enough that the streams' decodes overlap on a loaded machine (streams
+    admitted one after another share no wake-up)."""
+    max_tokens, streams = 64, 8
 
     async def client(http: httpx.AsyncClient) -> int:
         """The tokens the ingress received for the stream (its usage chunk counts them)."""
@@ -149,6 +150,11 @@ def test_concurrent_streams_travel_in_the_output_channel_many_outputs_per_item(
         timeout=60,
     )
     assert warm.status_code == 200
+    # The channel opens in the background: a stream routed before it is open is unchannelled.
+    deadline = time.monotonic() + 10
+    while replica_stat(admin_url, "output_channels") < 1:
+        assert time.monotonic() < deadline, "the ingress's output channel did not open"
+        time.sleep(0.1)
     items_before = replica_stat(admin_url, "channel_items")
     outputs_before = replica_stat(admin_url, "channel_outputs")
     received = asyncio.run(run_all())
