@@ -34,6 +34,9 @@ PLACEMENT_TIMEOUT_S = 8
 # Long enough to outlast the kill on a fast machine (tiny model, ~5 ms a step).
 STREAM_TOKENS = 800
 MAX_KILL_STREAMS = 16
+# Requests the spread test sends one at a time after its burst, at most, for Serve's router
+# to reach the second replica.
+MAX_SPREAD_TOP_UP = 16
 
 
 class SimCluster:
@@ -252,21 +255,21 @@ def test_ranks_hold_fake_gpus_but_run_on_cpu_and_say_so(served, cluster):
 def test_requests_spread_over_two_tp2_replicas(served, cluster):
     """Serve's router may send a whole burst to one replica (one whose queue length it has
     cached wins over one it must probe), so requests are then sent one at a time, at most
-    `MAX_KILL_STREAMS` more, until both replicas served some."""
+    `MAX_SPREAD_TOP_UP` more, until both replicas served some."""
     before = {r["replica"]: r["requests_total"] for r in served.stats()["replicas"]}
     assert len(before) == 2
     with ThreadPoolExecutor(16) as pool:
         responses = list(pool.map(lambda _: _completion(served.url), range(24)))
     assert [r.status_code for r in responses] == [200] * 24
     sent = 24
-    served_by = _wait_served(served, before, sent)
-    while min(served_by.values()) == 0:
-        assert sent < 24 + MAX_KILL_STREAMS, f"one replica took everything: {served_by}"
+    stats = _wait_replicas_sum(served, "requests_total", sent, before, within_s=10)
+    while min(r["requests_total"] - before[r["replica"]] for r in stats["replicas"]) == 0:
+        assert sent < 24 + MAX_SPREAD_TOP_UP, f"one replica took everything: {stats}"
         r = _completion(served.url)
         assert r.status_code == 200, r.text
         sent += 1
-        served_by = _wait_served(served, before, sent)
-    assert {r["node_id"] for r in served.stats()["replicas"]} == cluster.gpu_nodes
+        stats = _wait_replicas_sum(served, "requests_total", sent, before, within_s=10)
+    assert {r["node_id"] for r in stats["replicas"]} == cluster.gpu_nodes
 
 
 def test_killed_rank_fails_its_streams_the_other_replica_serves_and_serve_replaces_it(
@@ -292,7 +295,7 @@ def test_killed_rank_fails_its_streams_the_other_replica_serves_and_serve_replac
                     if f.done():
                         f.result()  # a stream that failed before its first token says why
                     assert time.monotonic() < deadline, "a stream did not start"
-            return _wait_all_live(served, len(results))
+            return _wait_replicas_sum(served, "live_requests", len(results))
 
         snapshot = start(8)
         while min(r["live_requests"] for r in snapshot["replicas"]) == 0:
@@ -352,29 +355,20 @@ def _stream(url: str, result: dict) -> None:
     result["ending"] = "error" if "error" in events[-2] else finishes[-1]
 
 
-def _wait_all_live(server: Server, num: int, within_s: float = 60) -> dict:
-    """A stats snapshot once every one of `num` streams is running on the two replicas."""
+def _wait_replicas_sum(
+    server: Server, key: str, num: int, before: dict | None = None, within_s: float = 60
+) -> dict:
+    """A stats snapshot once the two replicas' `key` (less each one's `before`, by replica)
+    sums to `num` (replicas report their stats a few times a second)."""
+    before = before or {}
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         stats = server.stats()
-        live = [r["live_requests"] for r in stats["replicas"]]
-        if len(live) == 2 and sum(live) == num:
+        counts = [r[key] - before.get(r["replica"], 0) for r in stats["replicas"]]
+        if len(counts) == 2 and sum(counts) == num:
             return stats
         time.sleep(0.1)
-    raise AssertionError(f"{num} streams not running on the two replicas: {server.stats()}")
-
-
-def _wait_served(server: Server, before: dict, num: int, within_s: float = 10) -> dict:
-    """Each replica's requests since `before`, once the two report `num` between them
-    (replicas report their stats a few times a second)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        replicas = server.stats()["replicas"]
-        served_by = {r["replica"]: r["requests_total"] - before[r["replica"]] for r in replicas}
-        if sum(served_by.values()) == num or time.monotonic() > deadline:
-            assert sum(served_by.values()) == num, served_by
-            return served_by
-        time.sleep(0.1)
+    raise AssertionError(f"{key} not {num} on the two replicas: {server.stats()}")
 
 
 def _wait_replaced(server: Server, dead_replica: str, within_s: float) -> dict:
