@@ -183,40 +183,48 @@ def _path_sum(by_role: dict[str, float], background: tuple[str, ...]) -> float:
     return sum(v for r, v in by_role.items() if r != "engine_step" and r not in background)
 
 
-def step_thread_schedstat() -> dict[str, tuple[int, int]]:
+def step_thread_schedstat() -> dict[str, tuple[int, int, int]]:
     """Per engine step thread (named `ENGINE_THREAD_PREFIX*`, in any Serve replica or Ray
     worker on this machine): nanoseconds on a CPU and waiting for one while runnable, from
-    /proc/PID/task/TID/schedstat."""
+    /proc/PID/task/TID/schedstat, and the times it was taken off its CPU while runnable
+    (`nonvoluntary_ctxt_switches` in its status)."""
     from actors.torch_thread import ENGINE_THREAD_PREFIX
 
-    out: dict[str, tuple[int, int]] = {}
+    out: dict[str, tuple[int, int, int]] = {}
     for entry, _ in _ray_processes():
         try:
             for task in (entry / "task").iterdir():
                 if (task / "comm").read_text().startswith(ENGINE_THREAD_PREFIX):
                     run, wait, _ = (task / "schedstat").read_text().split()
-                    out[f"{entry.name}/{task.name}"] = (int(run), int(wait))
-        except (OSError, ValueError):  # a process or thread that ended while read
+                    status = (task / "status").read_text()
+                    preempted = status.split("nonvoluntary_ctxt_switches:")[1].split()[0]
+                    out[f"{entry.name}/{task.name}"] = (int(run), int(wait), int(preempted))
+        except (OSError, ValueError, IndexError):  # a process or thread that ended while read
             continue
     return out
 
 
 def step_thread_shares(
-    before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], seconds: float
+    before: dict[str, tuple[int, int, int]], after: dict[str, tuple[int, int, int]], seconds: float
 ) -> dict:
     """Where the engine's step threads spent a level's wall time, averaged over the threads:
     `running`; `waiting_for_cpu` (runnable, another thread on the core); `off_cpu` (the rest:
-    the GIL, an OpenMP barrier, no work)."""
+    the GIL, an OpenMP barrier, no work); and `preempted_per_s`, how often a thread was taken
+    off its core while it had work."""
     threads = [t for t in after if t in before]
     if not threads or seconds <= 0:
         return {"threads": 0}
-    run = sum(after[t][0] - before[t][0] for t in threads) / 1e9 / seconds / len(threads)
-    wait = sum(after[t][1] - before[t][1] for t in threads) / 1e9 / seconds / len(threads)
+
+    def mean(i: int) -> float:
+        return sum(after[t][i] - before[t][i] for t in threads) / seconds / len(threads)
+
+    run, wait = mean(0) / 1e9, mean(1) / 1e9
     return {
         "threads": len(threads),
         "running": run,
         "waiting_for_cpu": wait,
         "off_cpu": max(0.0, 1.0 - run - wait),
+        "preempted_per_s": mean(2),
     }
 
 
