@@ -107,6 +107,8 @@ bench: $(STAMP) kernels demo-model
 	$(PY) benchmarks/event_stream.py --out $(R)/event_stream.json
 	$(PY) benchmarks/startup.py --out $(R)/startup.json
 	$(PY) benchmarks/contention.py --model bench --out $(R)/contention_bench.json
+	$(PY) benchmarks/idle_server.py --model bench --out $(R)/idle_server_bench.json
+	$(PY) benchmarks/free_core.py --model bench --out $(R)/free_core_bench.json
 	$(PY) benchmarks/responses.py --out $(R)/responses.json
 	$(PY) benchmarks/response_store_writes.py > $(R)/response_store_writes.json
 
