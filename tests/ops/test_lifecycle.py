@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.admin import replica_stat
+from tests.support.admin import replica_stat, wait_replica_stat
 
 pytestmark = pytest.mark.serve
 
@@ -151,23 +151,20 @@ def test_concurrent_streams_travel_in_the_output_channel_many_outputs_per_item(
     )
     assert warm.status_code == 200
     # The channel opens in the background: a stream routed before it is open is unchannelled.
-    deadline = time.monotonic() + 10
-    while replica_stat(admin_url, "output_channels") < 1:
-        assert time.monotonic() < deadline, "the ingress's output channel did not open"
-        time.sleep(0.1)
+    channels = wait_replica_stat(admin_url, "output_channels", 1, timeout_s=10)
+    assert channels >= 1, "the ingress's output channel did not open"
     items_before = replica_stat(admin_url, "channel_items")
     outputs_before = replica_stat(admin_url, "channel_outputs")
     received = asyncio.run(run_all())
     # Every token of every stream arrived.
     assert received == [max_tokens] * streams
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # the replica reports a few times a second
-        outputs = replica_stat(admin_url, "channel_outputs") - outputs_before
-        if outputs >= streams * (max_tokens - 1):
-            break
-        time.sleep(0.1)
+    wanted = streams * (max_tokens - 1)
+    outputs = (
+        wait_replica_stat(admin_url, "channel_outputs", outputs_before + wanted, timeout_s=5)
+        - outputs_before
+    )
     items = replica_stat(admin_url, "channel_items") - items_before
-    assert outputs >= streams * (max_tokens - 1)
+    assert outputs >= wanted
     assert items < outputs / 2
 
 

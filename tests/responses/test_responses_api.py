@@ -6,7 +6,6 @@ through `previous_response_id`; what `store: false` keeps; unknown and unsupport
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
@@ -16,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.support.admin import replica_stat
+from tests.support.admin import replica_stat, wait_replica_stat
 
 pytestmark = pytest.mark.serve
 
@@ -219,13 +218,10 @@ def test_stored_responses_tokens_travel_in_the_runners_output_channel(
         check_ending(final, max_tokens)
     wanted = sum(r.usage.output_tokens - 1 for r in finals)
     assert wanted >= 2 * streams  # enough tokens to tell items from outputs
-    deadline = time.monotonic() + 5
-    while (
-        replica_stat(admin_url, "channel_outputs") - outputs_before < wanted
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.1)  # the replica reports a few times a second
-    outputs = replica_stat(admin_url, "channel_outputs") - outputs_before
+    outputs = (
+        wait_replica_stat(admin_url, "channel_outputs", outputs_before + wanted, timeout_s=5)
+        - outputs_before
+    )
     assert outputs >= wanted
     assert replica_stat(admin_url, "channel_items") - items_before < outputs / 2
 

@@ -34,3 +34,12 @@ def wait_reporting(admin_url: str, num_replicas: int = 1, timeout_s: float = 30)
 def replica_stat(admin_url: str, key: str) -> int:
     """One counter of the first engine replica's last report (the test servers run one)."""
     return httpx.get(f"{admin_url}/admin/v1/stats", timeout=10).json()["replicas"][0][key]
+
+
+def wait_replica_stat(admin_url: str, key: str, minimum: int, timeout_s: float) -> int:
+    """`replica_stat` once it reaches `minimum` (the replica reports a few times a second),
+    or its last reading when `timeout_s` has passed: the caller asserts on what it needs."""
+    deadline = time.monotonic() + timeout_s
+    while (value := replica_stat(admin_url, key)) < minimum and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
